@@ -1,0 +1,31 @@
+"""Per-dtype contiguous gradient buffers with fused, dtype-safe norm and clip."""
+
+from .lists import scale_, total_norm
+from .plan import (
+    BufferPlan,
+    LayoutPlan,
+    ParamEntry,
+    ParamSlot,
+    Span,
+    dp_shard_spans,
+    intersect_spans,
+    merge_spans,
+    plan_layout,
+)
+from .storage import FlatGradBuffers, GradientOutsideBufferError
+
+__all__ = [
+    "BufferPlan",
+    "FlatGradBuffers",
+    "GradientOutsideBufferError",
+    "LayoutPlan",
+    "ParamEntry",
+    "ParamSlot",
+    "Span",
+    "dp_shard_spans",
+    "intersect_spans",
+    "merge_spans",
+    "plan_layout",
+    "scale_",
+    "total_norm",
+]

@@ -1,0 +1,236 @@
+"""Flat per-dtype gradient storage with fused norm, clip and zero count."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from . import ops
+from .plan import LayoutPlan, ParamEntry, plan_layout
+
+ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class GradientOutsideBufferError(RuntimeError):
+    """A parameter's ``.grad`` no longer lives in its flat buffer, so a norm would miss it."""
+
+
+def _named(params: ParamsArg) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for i, item in enumerate(params):
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            name, p = item
+        else:
+            name, p = f"params[{i}]", item
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} is a {type(p).__name__}, not a torch.Tensor parameter")
+        out.append((name, p))
+    return out
+
+
+class FlatGradBuffers:
+    """One contiguous gradient buffer per dtype; each parameter's ``.grad`` is a view of it.
+
+    Backward accumulates into the views in place, so norms, clipping and zeroing each cost
+    one fused launch per buffer instead of one per parameter.
+
+    Args:
+        params: parameters, or ``(name, parameter)`` pairs such as ``named_parameters()``.
+            Frozen parameters (``requires_grad=False``) are skipped. A parameter given twice
+            is laid out once, under its first name.
+        counted: predicate on a parameter: does it count toward norms? Default: all do.
+            Every gradient is still scaled by clipping (uncounted ones are typically
+            duplicates of gradients counted elsewhere).
+        align: every gradient starts at a multiple of ``align`` elements.
+        device: where the buffers live. Default: the parameters' device.
+    """
+
+    def __init__(
+        self,
+        params: ParamsArg,
+        *,
+        counted: Callable[[torch.Tensor], bool] | None = None,
+        align: int = 64,
+        device: torch.device | str | None = None,
+    ) -> None:
+        named = _named(params)
+        seen: set[int] = set()
+        self._params: list[tuple[str, torch.Tensor]] = []
+        for name, p in named:
+            if not p.requires_grad or id(p) in seen:
+                continue
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"parameter {name!r} has non-floating dtype {p.dtype} but requires_grad; "
+                    "only floating-point parameters can have gradients"
+                )
+            seen.add(id(p))
+            self._params.append((name, p))
+        self.device = self._pick_device(device)
+
+        entries = [
+            ParamEntry(n, tuple(p.shape), p.dtype, counted(p) if counted else True)
+            for n, p in self._params
+        ]
+        self.plan: LayoutPlan = plan_layout(entries, align)
+        self.buffers: dict[torch.dtype, torch.Tensor] = {
+            dt: torch.zeros(b.numel, dtype=dt, device=self.device)
+            for dt, b in self.plan.buffers.items()
+        }
+        self._views: dict[int, torch.Tensor] = {}
+        self._param_by_id = {id(p): p for _, p in self._params}
+        self._escaped: dict[int, str] = {}
+        for dt, b in self.plan.buffers.items():
+            for slot in b.slots:
+                name, p = self._params[slot.index]
+                view = self.buffers[dt][slot.offset : slot.offset + slot.numel].view(slot.shape)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                self._views[id(p)] = view
+                p.register_post_accumulate_grad_hook(self._make_binding_check(name, view))
+
+        def views(spans_of):
+            return [
+                [self.buffers[dt][s.start : s.end] for s in spans_of(b)]
+                for dt, b in self.plan.buffers.items()
+            ]
+
+        # Built once: the hot path walks buffers, never parameters.
+        self._norm_groups = views(lambda b: b.norm_spans)
+        self._scale_groups = views(lambda b: b.scale_spans)
+        self._norm_padding = sum(
+            n for b in self.plan.buffers.values() for n in b.padding_in.values()
+        )
+
+    def _pick_device(self, device) -> torch.device:
+        devices = {p.device for _, p in self._params}
+        if len(devices) > 1:
+            by_dev: dict[torch.device, str] = {}
+            for name, p in self._params:
+                by_dev.setdefault(p.device, name)
+            listing = ", ".join(f"{n!r} on {d}" for d, n in by_dev.items())
+            raise ValueError(
+                f"parameters are on different devices ({listing}); build one "
+                "FlatGradBuffers per device"
+            )
+        if device is None:
+            return devices.pop() if devices else torch.device("cpu")
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0"
+        if devices and devices != {device}:
+            raise ValueError(
+                f"device={device} but the parameters are on {devices.pop()}; gradients must "
+                "live on their parameter's device, so leave device=None"
+            )
+        return device
+
+    def _make_binding_check(self, name: str, view: torch.Tensor):
+        ptr = view.data_ptr()
+
+        def check(p: torch.Tensor) -> None:
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                self._escaped[id(p)] = name
+
+        return check
+
+    def _raise_if_escaped(self) -> None:
+        if self._escaped:
+            names = ", ".join(repr(n) for n in self._escaped.values())
+            raise GradientOutsideBufferError(
+                f"the gradient of {names} no longer lives in its flat buffer (was .grad set "
+                "to None, e.g. by zero_grad(set_to_none=True), or reassigned?), so the norm "
+                "would miss it. Zero gradients with FlatGradBuffers.zero_() (or "
+                "zero_grad(set_to_none=False)) instead; zero_() also re-binds them."
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all flat buffers, padding included."""
+        return self.plan.nbytes
+
+    def view(self, p: torch.Tensor) -> torch.Tensor:
+        """The gradient view of ``p``: same shape and dtype as ``p``."""
+        try:
+            return self._views[id(p)]
+        except KeyError:
+            raise KeyError(
+                "this parameter has no gradient view here (frozen, or not passed to "
+                "FlatGradBuffers)"
+            ) from None
+
+    def check_bindings(self) -> None:
+        """Verify every ``.grad`` is still its view (one pass over parameters; not per step)."""
+        for name, p in self._params:
+            if p.grad is None or p.grad.data_ptr() != self._views[id(p)].data_ptr():
+                self._escaped[id(p)] = name
+        self._raise_if_escaped()
+
+    def zero_(self) -> None:
+        """Zero every buffer (padding included) and re-bind any gradient that escaped."""
+        for buf in self.buffers.values():
+            buf.zero_()
+        for pid in self._escaped:  # usually empty: no per-parameter work per step
+            self._param_by_id[pid].grad = self._views[pid]
+        self._escaped.clear()
+
+    def _local_stat(self, norm_type: float) -> tuple[torch.Tensor, float]:
+        self._raise_if_escaped()
+        p = ops.check_norm_type(norm_type)
+        return ops.local_power_stat(self._norm_groups, p, self.device), p
+
+    def grad_norm(self, norm_type: float = 2.0, group=None) -> torch.Tensor:
+        """Norm of the counted gradients, accumulated in fp32; no host sync.
+
+        Args:
+            norm_type: p > 0, or ``inf``.
+            group: a process group to reduce over (one all-reduce), or None for local.
+
+        Returns:
+            0-dim fp32 tensor on the buffers' device.
+        """
+        stat, p = self._local_stat(norm_type)
+        if group is not None:
+            stat = ops.all_reduce_stat(stat, p, group)
+        return ops.finish_norm(stat, p)
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        group=None,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Scale all gradients by ``max_norm / (norm + 1e-6)`` when that is below 1.
+
+        Args:
+            max_norm: the norm to clip to.
+            norm_type: p > 0, or ``inf``.
+            group: a process group to reduce over, or None.
+            error_if_nonfinite: raise if the norm is NaN or inf (this one check syncs).
+
+        Returns:
+            The pre-clip norm, a 0-dim fp32 device tensor.
+        """
+        total = self.grad_norm(norm_type, group)
+        if error_if_nonfinite and not torch.isfinite(total).item():
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+                "cannot be clipped; pass error_if_nonfinite=False to scale by NaN/0 instead"
+            )
+        ops.scale_groups_(self._scale_groups, ops.clip_coefficient(total, max_norm))
+        return total
+
+    def count_zeros(self, group=None) -> torch.Tensor:
+        """Number of zero elements among counted gradients (padding excluded), int64."""
+        self._raise_if_escaped()
+        zeros = ops.count_zeros_groups(self._norm_groups, self._norm_padding, self.device)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(zeros, op=dist.ReduceOp.SUM, group=group)
+        return zeros
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{dt}: {b.numel}" for dt, b in self.plan.buffers.items())
+        return f"FlatGradBuffers({len(self._params)} params; {sizes}; {self.nbytes} bytes)"

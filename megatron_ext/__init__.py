@@ -1,0 +1,1 @@
+"""Megatron-Core integration of per-dtype gradient buffers (work in progress)."""
