@@ -14,7 +14,8 @@ from . import ops
 from .plan import check_grad_dtype
 
 
-def _group(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+def group_by_device_dtype(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Homogeneous lists, one per (device, dtype), in first-seen order."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for i, t in enumerate(tensors):
         check_grad_dtype(t.dtype, f"tensors[{i}]")
@@ -40,7 +41,7 @@ def total_norm(
         0-dim fp32 tensor.
     """
     p = ops.check_norm_type(norm_type)
-    groups = _group(tensors)
+    groups = group_by_device_dtype(tensors)
     if device is None:
         device = groups[0][0].device if groups else torch.device("cpu")
     stat = ops.local_power_stat(groups, p, torch.device(device))
@@ -51,7 +52,7 @@ def total_norm(
 
 def scale_(tensors: Iterable[torch.Tensor], coeff: torch.Tensor | float) -> None:
     """Multiply every tensor in place by ``coeff`` (a device tensor needs no host sync)."""
-    groups = _group(tensors)
+    groups = group_by_device_dtype(tensors)
     if not isinstance(coeff, torch.Tensor):
         coeff = torch.tensor(float(coeff), dtype=torch.float32)
     ops.scale_groups_(groups, coeff)

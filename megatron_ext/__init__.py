@@ -1,1 +1,27 @@
-"""Megatron-Core integration of per-dtype gradient buffers (work in progress)."""
+"""Megatron-Core integration of per-dtype contiguous gradient buffers.
+
+Adopt it by swapping three names::
+
+    cfg = megatron_ext.DistributedDataParallelConfig(per_dtype_grad_buffers=True, ...)
+    model = megatron_ext.DistributedDataParallel(transformer_config, cfg, module)
+    opt = megatron_ext.get_megatron_optimizer(optimizer_config, [model])
+"""
+
+from .config import DistributedDataParallelConfig
+from .ddp import DistributedDataParallel, LayoutMismatchError
+from .fp32 import Float16Module, cast_marked_to_fp32, mark_keep_in_fp32
+from .install import install, uninstall
+from .optimizer import enable_flat_norm, get_megatron_optimizer
+
+__all__ = [
+    "DistributedDataParallel",
+    "DistributedDataParallelConfig",
+    "Float16Module",
+    "LayoutMismatchError",
+    "cast_marked_to_fp32",
+    "enable_flat_norm",
+    "get_megatron_optimizer",
+    "install",
+    "mark_keep_in_fp32",
+    "uninstall",
+]

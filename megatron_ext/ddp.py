@@ -1,0 +1,152 @@
+"""megatron-core's DDP with per-dtype gradient buffers and fp32 islands."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from megatron.core.distributed import DistributedDataParallel as _MCoreDDP
+
+from buffers.plan import Span
+
+from .fp32 import cast_marked_to_fp32
+from .spans import GradRecord
+
+ALIGN = 64  # elements; Megatron aligns every parameter's start to 64 elements too
+
+
+class LayoutMismatchError(RuntimeError):
+    """Data-parallel ranks computed different gradient-buffer layouts."""
+
+
+class DistributedDataParallel(_MCoreDDP):
+    """megatron-core's ``DistributedDataParallel`` plus ``per_dtype_grad_buffers``.
+
+    Same signature as megatron-core's. With ``ddp_config.per_dtype_grad_buffers`` off it is
+    megatron-core's DDP unchanged. With it on:
+
+    - parameters marked ``keep_in_fp32`` are cast back to fp32 before the buffers are
+      built, so they land in an fp32 island buffer even with ``grad_reduce_in_fp32=False``;
+    - parameters matching ``param_name_patterns_for_fp32_local_accumulation`` get their
+      fp32 accumulation gradients as views of one contiguous fp32 island per buffer;
+    - every buffer's layout (:attr:`grad_records`) is recorded once, and all ranks of each
+      data-parallel group check with one small collective that they computed the same one.
+    """
+
+    def __init__(self, config, ddp_config, module: torch.nn.Module, *args, **kwargs) -> None:
+        enabled = bool(getattr(ddp_config, "per_dtype_grad_buffers", False))
+        if enabled:
+            cast_marked_to_fp32(module)
+        super().__init__(config, ddp_config, module, *args, **kwargs)
+        self.per_dtype_grad_buffers = enabled
+        self.grad_records: dict[int, tuple[GradRecord, ...]] = {}
+        self.fp32_accumulation_islands: dict[int, torch.Tensor] = {}
+        if not enabled:
+            return
+        names = {p: n for n, p in self.module.named_parameters()}
+        for buf in self.all_grad_buffers():
+            self.grad_records[id(buf)] = _records(buf, names)
+            self._carve_fp32_island(buf)
+        self._check_layouts_agree()
+
+    def all_grad_buffers(self) -> list:
+        """Dense buffers, then expert-parallel buffers."""
+        return [*self.buffers, *self.expert_parallel_buffers]
+
+    def _carve_fp32_island(self, buf) -> None:
+        params = [p for b in buf.buckets for p in b.params_with_extra_main_grads]
+        if not params:
+            return
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += -(-p.main_grad.numel() // ALIGN) * ALIGN
+        island = torch.zeros(total, dtype=torch.float32, device=buf.grad_data.device)
+        for p, off in zip(params, offsets, strict=True):
+            p.main_grad = island[off : off + p.main_grad.numel()].view(p.main_grad.shape)
+        # reset() zeroes every entry: one island instead of one tensor per parameter.
+        buf.extra_main_grads = [island]
+        self.fp32_accumulation_islands[id(buf)] = island
+
+    def _check_layouts_agree(self) -> None:
+        if not torch.distributed.is_initialized():
+            return
+        for buf in self.all_grad_buffers():
+            group = buf.data_parallel_group
+            if torch.distributed.get_world_size(group) == 1:
+                continue
+            records = self.grad_records[id(buf)]
+            digest = _layout_digest(buf, records)
+            mine = torch.tensor([digest], dtype=torch.int64, device=buf.grad_data.device)
+            gathered = [torch.empty_like(mine) for _ in range(group.size())]
+            torch.distributed.all_gather(gathered, mine, group=group)
+            if all(int(g) == digest for g in gathered):
+                continue
+            everyone = [None] * group.size()
+            torch.distributed.all_gather_object(everyone, _layout_rows(buf, records), group=group)
+            raise LayoutMismatchError(_first_difference(everyone, group.rank()))
+
+
+def _records(buf, names: dict) -> tuple[GradRecord, ...]:
+    from .spans import exclusion_reason
+
+    out = []
+    for p, (start, end, bucket) in buf.param_index_map.items():
+        out.append(
+            GradRecord(
+                name=names.get(p, "<unnamed>"),
+                start=start,
+                end=end,
+                bucket=bucket,
+                excluded_because=exclusion_reason(**param_flags(p)),
+            )
+        )
+    return tuple(sorted(out, key=lambda r: r.start))
+
+
+def param_flags(p: torch.Tensor) -> dict:
+    """The attributes Megatron's norm filter reads, with this rank's TP ranks."""
+    from megatron.core import parallel_state as ps
+
+    is_expert = not getattr(p, "allreduce", True)
+    expert_tp_rank = None
+    if is_expert and ps.model_parallel_is_initialized():
+        expert_tp_rank = ps.get_expert_tensor_parallel_rank()
+    return {
+        "shared": bool(getattr(p, "shared", False)),
+        "tensor_model_parallel": bool(getattr(p, "tensor_model_parallel", False)),
+        "is_expert": is_expert,
+        "tp_rank": ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0,
+        "expert_tp_rank": expert_tp_rank,
+    }
+
+
+def buffer_buckets(buf) -> tuple[Span, ...]:
+    return tuple(Span(s, e) for s, e in buf.bucket_indices)
+
+
+def _layout_rows(buf, records) -> list[tuple]:
+    head = (str(buf.param_dtype), str(buf.grad_dtype), buf.numel, tuple(buf.bucket_indices))
+    return [head] + [(r.name, r.start, r.end, r.bucket) for r in records]
+
+
+def _layout_digest(buf, records) -> int:
+    h = hashlib.blake2b(repr(_layout_rows(buf, records)).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def _first_difference(everyone: list[list[tuple]], my_rank: int) -> str:
+    ref = everyone[0]
+    for rank, rows in enumerate(everyone[1:], start=1):
+        for i in range(max(len(ref), len(rows))):
+            a = ref[i] if i < len(ref) else None
+            b = rows[i] if i < len(rows) else None
+            if a != b:
+                what = "buffer header" if i == 0 else f"parameter {(a or b)[0]!r}"
+                return (
+                    f"gradient-buffer layouts differ across data-parallel ranks at the {what}: "
+                    f"rank 0 has {a}, rank {rank} has {b} (this is rank {my_rank}). Every rank "
+                    "of a data-parallel group must build the same model with the same "
+                    "parameter order, dtypes, requires_grad flags and DDP config."
+                )
+    return "gradient-buffer layouts differ across data-parallel ranks (digest mismatch)"

@@ -1,0 +1,306 @@
+"""megatron-core optimizers whose norm, clip and zero count read flat buffer spans."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from megatron.core import optimizer as _mcore_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import (
+    SEPARATE_GRAD_NORM_GROUPS,
+    ChainedOptimizer,
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+)
+
+from buffers import ops
+
+from .targets import FlatOptimizerState, buffer_target, mirror_view
+
+
+def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
+    """megatron-core's ``get_megatron_optimizer``, flat norm/clip when the DDP option is on.
+
+    Same signature and return types as megatron-core's. When the model chunks are
+    :class:`megatron_ext.DistributedDataParallel` with ``per_dtype_grad_buffers=True``, the
+    returned optimizers (each child of the ``ChainedOptimizer`` and the chain itself) compute
+    ``get_grad_norm``, ``clip_grad_norm``, ``count_zeros`` and ``step`` from spans of the
+    flat buffers computed here, once. Natively fp32 parameters also work with the
+    distributed optimizer and CPU offload, which stock megatron-core 0.19 rejects.
+    """
+    flags = [bool(getattr(m, "per_dtype_grad_buffers", False)) for m in model_chunks]
+    if not any(flags):
+        return _mcore_optimizer.get_megatron_optimizer(config, model_chunks, *args, **kwargs)
+    if not all(flags):
+        raise ValueError(
+            "some model chunks have per_dtype_grad_buffers=True and some do not; wrap every "
+            "chunk in megatron_ext.DistributedDataParallel with the same ddp_config"
+        )
+    with _fp32_shards_as_leaves():
+        opt = _mcore_optimizer.get_megatron_optimizer(config, model_chunks, *args, **kwargs)
+    return enable_flat_norm(opt, model_chunks)
+
+
+@contextlib.contextmanager
+def _fp32_shards_as_leaves():
+    """Make the distributed optimizer's fp32 parameter shards detached views (leaves).
+
+    megatron-core 0.19 slices fp32 parameters without ``detach()``; with CPU offload the
+    rebuilt ``HybridDeviceOptimizer`` then raises "can't optimize a non-leaf Tensor". A
+    detached view shares the same storage, so updates still land in the model's buffer.
+    Scoped to the construction call, and restored after it.
+    """
+    original = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+
+    def build(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config):
+        groups = original.__func__(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+        for shard_group, group_range in zip(groups[3], opt_group_ranges, strict=True):
+            swap = {}
+            for i, shard in enumerate(shard_group):
+                if shard is not None and not shard.is_leaf:
+                    leaf = shard.detach()
+                    leaf.__dict__.update(shard.__dict__)  # Megatron's tensor-parallel attributes
+                    shard_group[i] = leaf
+                    swap[id(shard)] = leaf
+            params = group_range["orig_group"]["params"]
+            group_range["orig_group"]["params"] = [swap.get(id(p), p) for p in params]
+        return groups
+
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(build)
+    try:
+        yield
+    finally:
+        DistributedOptimizer._build_model_and_main_param_groups = original
+
+
+def enable_flat_norm(opt, model_chunks):
+    """Give ``opt`` (a ChainedOptimizer or one child) flat norm/clip; returns it."""
+    children = opt.chained_optimizers if isinstance(opt, ChainedOptimizer) else [opt]
+    buffers = [b for m in model_chunks for b in m.all_grad_buffers()]
+    records = {}
+    islands = {}
+    for m in model_chunks:
+        records.update(m.grad_records)
+        islands.update(m.fp32_accumulation_islands)
+    for child in children:
+        _check_supported(child)
+        child._flat = _build_state(child, buffers, records, islands)
+        child.__class__ = _flat_class(type(child))
+    if isinstance(opt, ChainedOptimizer):
+        opt.__class__ = _flat_class(type(opt))
+    return opt
+
+
+def _check_supported(child) -> None:
+    if getattr(child, "is_stub_optimizer", False):
+        return
+    if not isinstance(
+        child, DistributedOptimizer | Float16OptimizerWithFloat16Params | FP32Optimizer
+    ):
+        raise NotImplementedError(
+            f"per_dtype_grad_buffers=True does not support {type(child).__name__}; supported: "
+            "DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer (and "
+            "ChainedOptimizer / HybridDeviceOptimizer around them)"
+        )
+    for p in child.get_parameters():
+        tag = getattr(p, "grad_norm_group", None)
+        if tag in SEPARATE_GRAD_NORM_GROUPS:
+            raise NotImplementedError(
+                f"a parameter is tagged grad_norm_group={tag!r} (clipped by its own norm); "
+                "per_dtype_grad_buffers=True does not support separate grad-norm groups yet"
+            )
+
+
+def _model_params(child) -> set[int]:
+    if isinstance(child, DistributedOptimizer):
+        groups = [*child.model_float16_groups, *child.model_fp32_groups]
+    elif isinstance(child, Float16OptimizerWithFloat16Params):
+        groups = [*child.float16_groups, *child.fp32_from_fp32_groups]
+    else:
+        groups = [g["params"] for g in child.optimizer.param_groups]
+    return {id(p) for g in groups for p in g}
+
+
+def _build_state(child, buffers, records, islands) -> FlatOptimizerState:
+    if getattr(child, "is_stub_optimizer", False):
+        return FlatOptimizerState([], None)
+    distributed = isinstance(child, DistributedOptimizer)
+    decoupled = bool(child.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    mine = _model_params(child)
+    if distributed:
+        candidates = child.buffers
+    else:
+        candidates = [b for b in buffers if any(id(p) in mine for p in b.param_index_map)]
+    targets = []
+    by_buffer = {}
+    for buf in candidates:
+        inside = [id(p) in mine for p in buf.param_index_map]
+        if not all(inside):
+            raise RuntimeError(
+                f"the optimizer holds only some parameters of a {buf.grad_dtype} gradient "
+                "buffer; per_dtype_grad_buffers=True needs each buffer wholly in one optimizer"
+            )
+        needs_mirror = (
+            not decoupled
+            and buf.grad_dtype != torch.float32
+            and not isinstance(child, FP32Optimizer)
+        )
+        t = buffer_target(
+            buf,
+            records[id(buf)],
+            sharded=distributed,
+            needs_mirror=needs_mirror,
+            island=islands.get(id(buf)),
+        )
+        targets.append(t)
+        by_buffer[id(buf)] = (buf, t)
+    bindings = _bindings(child, by_buffer) if any(t.mirror is not None for t in targets) else None
+    return FlatOptimizerState(targets, bindings)
+
+
+def _bindings(child, by_buffer):
+    """(main param, "grad", view) for every main parameter: what the copy step assigns."""
+    out = []
+    pmap = {}
+    for buf, t in by_buffer.values():
+        for p, (start, end, _) in buf.param_index_map.items():
+            pmap[id(p)] = (start, end, t)
+    if isinstance(child, DistributedOptimizer):
+        pairs = [
+            *zip(
+                _flat(child.model_float16_groups),
+                _flat(child.shard_fp32_from_float16_groups),
+                strict=True,
+            ),
+            *zip(_flat(child.model_fp32_groups), _flat(child.shard_fp32_groups), strict=True),
+        ]
+        for model_param, main_param in pairs:
+            start, _, t = pmap[id(model_param)]
+            r = child._get_model_param_range_map(model_param)["param"]
+            view = (
+                mirror_view(t, start + r.start, start + r.end)
+                if t.mirror is not None
+                else model_param.main_grad.view(-1)[r.start : r.end]
+            )
+            out.append((main_param, "grad", view))
+    else:  # Float16OptimizerWithFloat16Params
+        for model_param, main_param in zip(
+            _flat(child.float16_groups), _flat(child.fp32_from_float16_groups), strict=True
+        ):
+            start, end, t = pmap[id(model_param)]
+            out.append((main_param, "grad", mirror_view(t, start, end).view(model_param.shape)))
+        for model_param in _flat(child.fp32_from_fp32_groups):
+            out.append((model_param, "grad", model_param.main_grad))
+    return out
+
+
+def _flat(groups):
+    return [p for g in groups for p in g]
+
+
+class FlatNormOptimizer:
+    """Mixin for one megatron-core optimizer: norm, clip and zero count from flat spans."""
+
+    _flat: FlatOptimizerState
+
+    def _copy_model_grads_to_main_grads(self):
+        if self._flat.bindings is None:
+            return super()._copy_model_grads_to_main_grads()
+        for dst, src in (c for t in self._flat.targets for c in t.copies):
+            dst.copy_(src)  # one copy (and cast) per owned range, into a preallocated mirror
+        for tensor, attr, view in self._flat.bindings:
+            setattr(tensor, attr, view)
+
+    def _flat_local_stat(self, norm_type: float = 2.0) -> torch.Tensor:
+        return ops.local_power_stat(self._flat.norm_groups, norm_type, _device())
+
+    def _flat_local_zeros(self) -> torch.Tensor:
+        return ops.count_zeros_groups(self._flat.norm_groups, self._flat.padding, _device())
+
+    def _flat_scale(self, total_norm: torch.Tensor, max_norm: float) -> None:
+        ops.scale_groups_(self._flat.scale_groups, ops.clip_coefficient(total_norm, max_norm))
+
+    @torch.no_grad()
+    def get_grad_norm(self):
+        stat = ops.all_reduce_stat(
+            self._flat_local_stat(), 2.0, self.get_grad_stats_parallel_group()
+        )
+        return ops.finish_norm(stat, 2.0)
+
+    def clip_grad_norm(self, clip_grad: float):
+        grad_norm = self.get_grad_norm()
+        if clip_grad > 0.0:
+            self._flat_scale(grad_norm, clip_grad)
+        return grad_norm
+
+    def count_zeros(self):
+        zeros = self._flat_local_zeros()
+        torch.distributed.all_reduce(zeros, group=self.get_grad_stats_parallel_group())
+        return zeros
+
+
+class FlatChainedOptimizer:
+    """Mixin for ``ChainedOptimizer``: one norm over every child's flat spans."""
+
+    def _active(self):
+        return [c for c in self.chained_optimizers if not getattr(c, "is_stub_optimizer", False)]
+
+    @torch.no_grad()
+    def get_grad_norm(self):
+        children = self.chained_optimizers
+        if len(children) == 1:
+            return children[0].get_grad_norm()
+        if self.grads_states_parallel_group_is_shared():
+            stat = sum((c._flat_local_stat() for c in children), torch.zeros((), device=_device()))
+            stat = ops.all_reduce_stat(stat, 2.0, self.get_grad_stats_parallel_group())
+            return ops.finish_norm(stat, 2.0)
+        # Different groups (non-distributed dense + expert): each child reduces over its
+        # own group, in order, as megatron-core does; then combine.
+        return torch.stack([c.get_grad_norm() for c in children]).square().sum().sqrt()
+
+    @torch.no_grad()
+    def count_zeros(self):
+        children = self.chained_optimizers
+        if self.grads_states_parallel_group_is_shared():
+            zeros = sum(
+                (c._flat_local_zeros() for c in children),
+                torch.zeros((), dtype=torch.int64, device=_device()),
+            )
+            torch.distributed.all_reduce(zeros, group=self.get_grad_stats_parallel_group())
+            return zeros
+        return sum(c.count_zeros() for c in children if c.config.log_num_zeros_in_grad)
+
+    @torch.no_grad()
+    def step(self):
+        if self.prepare_grads():
+            return False, None, None
+        grad_norm = self.get_grad_norm()
+        skip = False
+        for child in self._active():
+            if not child._flat.targets:
+                continue
+            if child.config.clip_grad > 0.0:
+                child._flat_scale(grad_norm, child.config.clip_grad)
+            threshold = child.config.grad_norm_skip_threshold
+            if math.isfinite(threshold) and grad_norm.item() > threshold:
+                skip = True  # the one host sync, only when a threshold is set (as stock)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        ok = False if skip else self.step_with_ready_grads()
+        return ok, grad_norm, num_zeros
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _flat_class(cls: type) -> type:
+    """``cls`` with the flat mixin in front (cached; isinstance(x, cls) still holds)."""
+    if cls not in _CLASSES:
+        mixin = FlatChainedOptimizer if issubclass(cls, ChainedOptimizer) else FlatNormOptimizer
+        _CLASSES[cls] = type(f"Flat{cls.__name__}", (mixin, cls), {})
+    return _CLASSES[cls]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())

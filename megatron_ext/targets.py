@@ -1,0 +1,101 @@
+"""Per optimizer: which views of which flat buffers its norm reads and its clip scales.
+
+Built once when the optimizer is built (:func:`build_targets`); the per-step code only walks
+the resulting lists, one entry per flat buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from buffers.plan import Span
+
+from .ddp import buffer_buckets
+from .spans import RankSpans, rank_spans, to_local
+
+
+@dataclass
+class BufferTarget:
+    """One flat gradient buffer as one optimizer sees it on this rank."""
+
+    name: str  # e.g. "bf16 grads of bf16 params (dense)"
+    spans: RankSpans  # in grad-buffer coordinates
+    norm_views: list[torch.Tensor]  # views of the grad buffer that count toward the norm
+    scale_views: list[torch.Tensor]  # views of what the optimizer reads (grad buffer or mirror)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src)
+    mirror: torch.Tensor | None = None  # fp32 copy of this rank's shard, when one is needed
+
+
+@dataclass
+class FlatOptimizerState:
+    """Everything a flat norm/clip needs for one optimizer, built once."""
+
+    targets: list[BufferTarget]
+    # (tensor, attribute, view): the optimizer's main gradients, bound to flat views;
+    # None when megatron-core's own copy step already binds views without copying.
+    bindings: list[tuple[torch.Tensor, str, torch.Tensor]] | None
+
+    @property
+    def norm_groups(self) -> list[list[torch.Tensor]]:
+        return [t.norm_views for t in self.targets]
+
+    @property
+    def scale_groups(self) -> list[list[torch.Tensor]]:
+        return [t.scale_views for t in self.targets]
+
+    @property
+    def padding(self) -> int:
+        return sum(t.spans.padding_in_norm for t in self.targets)
+
+
+def describe(buf) -> str:
+    """A readable name for a megatron-core gradient buffer."""
+    first = next(iter(buf.param_index_map), None)
+    kind = "expert" if first is not None and not getattr(first, "allreduce", True) else "dense"
+    return f"{buf.grad_dtype} grads of {buf.param_dtype} params ({kind})"
+
+
+def _views(t: torch.Tensor, spans) -> list[torch.Tensor]:
+    return [t[s.start : s.end] for s in spans]
+
+
+def buffer_target(buf, records, *, sharded: bool, needs_mirror: bool, island=None) -> BufferTarget:
+    """The target for one buffer.
+
+    Args:
+        buf: a megatron-core ``_ParamAndGradBuffer``.
+        records: its :class:`~megatron_ext.spans.GradRecord` tuple.
+        sharded: the distributed optimizer owns only this rank's shard of each bucket.
+        needs_mirror: the optimizer reads fp32 copies of these (lower-precision) gradients;
+            they get one flat fp32 mirror of the owned ranges, filled by one copy per range.
+        island: the buffer's fp32 local-accumulation island, if any (scaled too, since an
+            optimizer may read those gradients from it).
+    """
+    if sharded:
+        group = buf.data_parallel_group
+        spans = rank_spans(records, buf.numel, buffer_buckets(buf), group.size(), group.rank())
+    else:
+        spans = rank_spans(records, buf.numel)
+    grad = buf.grad_data
+    target = BufferTarget(describe(buf), spans, _views(grad, spans.norm), [])
+    if needs_mirror:
+        mirror = torch.zeros(spans.owned_numel, dtype=torch.float32, device=grad.device)
+        local = to_local(spans.owned, spans.owned)
+        target.mirror = mirror
+        target.copies = list(zip(_views(mirror, local), _views(grad, spans.owned), strict=True))
+        target.scale_views = [mirror]
+    else:
+        target.scale_views = _views(grad, spans.owned)
+    if island is not None:
+        target.scale_views = [*target.scale_views, island]
+    return target
+
+
+def mirror_view(target: BufferTarget, start: int, end: int) -> torch.Tensor:
+    """The mirror's view of buffer elements ``[start, end)`` (which this rank must own)."""
+    (local,) = to_local([Span(start, end)], target.spans.owned)
+    if local.numel != end - start:
+        raise AssertionError(f"[{start}, {end}) is not inside this rank's shard")
+    return target.mirror[local.start : local.end]
