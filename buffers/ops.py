@@ -25,14 +25,27 @@ def check_norm_type(norm_type: float) -> float:
     return p
 
 
+_CHUNK = 1 << 22  # elements upcast at a time by the torch fallback (bounds its temporaries)
+
+
 class TorchBackend:
     """torch's own kernels; CPU and CUDA."""
 
     name = "torch"
 
-    def norms(self, views: Sequence[torch.Tensor], p: float) -> torch.Tensor:
-        """Per-view p-norms of one homogeneous list, accumulated in fp32 or wider (1-D)."""
+    def power_sum(self, views: Sequence[torch.Tensor], p: float) -> torch.Tensor:
+        """Sum of |x|^p over one homogeneous list (max |x| for inf), accumulated in fp32+."""
         acc = torch.promote_types(views[0].dtype, torch.float32)
+        if p == INF:
+            return self.norms(views, p, acc).max()
+        if p == 2.0 and len(views) == 1:
+            # A direct sum of squares (no sqrt then square) keeps exact cases exact.
+            return sum(c.to(acc).square().sum() for c in views[0].split(_CHUNK))
+        norms = self.norms(views, p, acc)
+        return norms.square().sum() if p == 2.0 else norms.pow(p).sum()
+
+    def norms(self, views: Sequence[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
+        """Per-view p-norms (1-D tensor)."""
         if len(views) == 1:
             return torch.linalg.vector_norm(views[0], p, dtype=acc).reshape(1)
         return torch.stack(torch._foreach_norm(list(views), p, dtype=acc))
@@ -42,6 +55,57 @@ class TorchBackend:
             views[0].mul_(coeff)
         else:
             torch._foreach_mul_(list(views), coeff)
+
+    def prepare(self, views: Sequence[torch.Tensor]) -> None:
+        """Build whatever per-span state the backend caches (called at construction)."""
+
+
+class TritonBackend(TorchBackend):
+    """Triton kernels for p = 2 and scaling, over all spans of one buffer in one launch.
+
+    Used when every view of a list is a 1-D slice of the same contiguous 1-D buffer of
+    bf16/fp16/fp32 (always true for flat buffers); anything else goes to torch.
+    """
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple, object] = {}
+
+    def _table(self, views: Sequence[torch.Tensor]):
+        from . import triton_kernels as tk
+
+        root = views[0]._base if views[0]._base is not None else views[0]
+        if root.dim() != 1 or not root.is_contiguous() or root.dtype not in tk.DTYPES:
+            return None, None
+        spans = []
+        for v in views:
+            vroot = v._base if v._base is not None else v
+            if vroot.data_ptr() != root.data_ptr() or v.dim() != 1 or not v.is_contiguous():
+                return None, None
+            lo = v.storage_offset() - root.storage_offset()
+            spans.append((lo, lo + v.numel()))
+        # The table depends only on offsets, so it is shared by buffers with the same spans.
+        key = (root.device, tuple(spans))
+        if key not in self._tables:
+            self._tables[key] = tk.TileTable(root, spans)
+        return root, self._tables[key]
+
+    def power_sum(self, views: Sequence[torch.Tensor], p: float) -> torch.Tensor:
+        if p == 2.0:
+            root, table = self._table(views)
+            if table is not None:
+                return table.sumsq(root)
+        return super().power_sum(views, p)
+
+    def scale_(self, views: Sequence[torch.Tensor], coeff: torch.Tensor) -> None:
+        root, table = self._table(views)
+        if table is None:
+            return super().scale_(views, coeff)
+        table.scale_(root, coeff.float())
+
+    def prepare(self, views: Sequence[torch.Tensor]) -> None:
+        self._table(views)
 
 
 class TransformerEngineBackend(TorchBackend):
@@ -59,34 +123,66 @@ class TransformerEngineBackend(TorchBackend):
         self._l2norm = l2norm
         self._overflow = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def norms(self, views: Sequence[torch.Tensor], p: float) -> torch.Tensor:
+    def power_sum(self, views: Sequence[torch.Tensor], p: float) -> torch.Tensor:
         if p != 2.0:
-            return super().norms(views, p)
+            return super().power_sum(views, p)
         # TE reads every tensor of one launch with the first tensor's dtype: the list is
         # homogeneous by construction (one buffer), which is what makes this call safe.
         norm, _ = self._applier(self._l2norm, self._overflow, [list(views)], False)
-        return norm.reshape(1).float()
+        return norm.float().square().sum()
 
 
 _TORCH = TorchBackend()
-_TE_CACHE: dict[torch.device, TorchBackend] = {}
+_CUDA_CACHE: dict[torch.device, TorchBackend] = {}
+BACKENDS = ("auto", "triton", "te", "torch")
+
+
+def _load_triton() -> TorchBackend | None:
+    try:
+        from . import triton_kernels  # noqa: F401
+    except ImportError:
+        return None
+    return TritonBackend()
+
+
+def _load_te(device: torch.device) -> TorchBackend | None:
+    try:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.optimizers import multi_tensor_applier
+    except ImportError:
+        return None
+    return TransformerEngineBackend(multi_tensor_applier, tex.multi_tensor_l2norm, device)
 
 
 def backend_for(device: torch.device) -> TorchBackend:
-    """TE's kernels on CUDA when TE imports (unless ``BUFFERS_BACKEND=torch``), else torch."""
-    if device.type != "cuda" or os.environ.get("BUFFERS_BACKEND", "") == "torch":
+    """The backend for tensors on ``device``, chosen by ``BUFFERS_BACKEND``.
+
+    ``auto`` (default): on CUDA, Triton when it imports, else transformer-engine when it
+    imports, else torch; on other devices torch. ``triton``/``te`` ask for one (falling back
+    to torch if it does not import); ``torch`` forces torch's kernels.
+    """
+    if device.type != "cuda":
         return _TORCH
-    if device not in _TE_CACHE:
-        try:
-            import transformer_engine_torch as tex
-            from transformer_engine.pytorch.optimizers import multi_tensor_applier
-        except ImportError:
-            _TE_CACHE[device] = _TORCH
-        else:
-            _TE_CACHE[device] = TransformerEngineBackend(
-                multi_tensor_applier, tex.multi_tensor_l2norm, device
-            )
-    return _TE_CACHE[device]
+    if device not in _CUDA_CACHE:
+        choice = os.environ.get("BUFFERS_BACKEND", "auto")
+        if choice not in BACKENDS:
+            raise ValueError(f"BUFFERS_BACKEND={choice!r}; expected one of {BACKENDS}")
+        loaders = {
+            "auto": [_load_triton, lambda: _load_te(device)],
+            "triton": [_load_triton],
+            "te": [lambda: _load_te(device)],
+            "torch": [],
+        }[choice]
+        found = (b for b in (load() for load in loaders) if b is not None)
+        _CUDA_CACHE[device] = next(found, _TORCH)
+    return _CUDA_CACHE[device]
+
+
+def prepare_groups(groups: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Let each buffer's backend build its per-span state now, not inside the first step."""
+    for views in groups:
+        if views:
+            backend_for(views[0].device).prepare(views)
 
 
 def local_power_stat(
@@ -97,17 +193,7 @@ def local_power_stat(
     ``groups`` holds one homogeneous list of views per flat buffer; empty lists are skipped
     and no views at all give 0.
     """
-    parts = []
-    for views in groups:
-        if not views:
-            continue
-        norms = backend_for(views[0].device).norms(views, p)
-        if p == INF:
-            parts.append(norms.max())
-        elif p == 2.0:
-            parts.append(norms.square().sum())
-        else:
-            parts.append(norms.pow(p).sum())
+    parts = [backend_for(v[0].device).power_sum(v, p) for v in groups if v]
     if not parts:
         return torch.zeros((), dtype=torch.float32, device=device)
     # fp64 buffers accumulate in fp64; the combined statistic is fp32 like every other.

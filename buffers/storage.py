@@ -100,6 +100,7 @@ class FlatGradBuffers:
         # Built once: the hot path walks buffers, never parameters.
         self._norm_groups = views(lambda b: b.norm_spans)
         self._scale_groups = views(lambda b: b.scale_spans)
+        ops.prepare_groups(self._norm_groups + self._scale_groups)
         self._norm_padding = sum(
             n for b in self.plan.buffers.values() for n in b.padding_in.values()
         )

@@ -157,7 +157,9 @@ def _build_state(child, buffers, records, islands) -> FlatOptimizerState:
         targets.append(t)
         by_buffer[id(buf)] = (buf, t)
     bindings = _bindings(child, by_buffer) if any(t.mirror is not None for t in targets) else None
-    return FlatOptimizerState(targets, bindings)
+    state = FlatOptimizerState(targets, bindings)
+    ops.prepare_groups(state.norm_groups + state.scale_groups)
+    return state
 
 
 def _bindings(child, by_buffer):
@@ -207,7 +209,7 @@ class FlatNormOptimizer:
 
     def _copy_model_grads_to_main_grads(self):
         if self._flat.bindings is None:
-            return super()._copy_model_grads_to_main_grads()
+            return self._flat_base._copy_model_grads_to_main_grads(self)
         for dst, src in (c for t in self._flat.targets for c in t.copies):
             dst.copy_(src)  # one copy (and cast) per owned range, into a preallocated mirror
         for tensor, attr, view in self._flat.bindings:
@@ -260,6 +262,14 @@ class FlatChainedOptimizer:
         # own group, in order, as megatron-core does; then combine.
         return torch.stack([c.get_grad_norm() for c in children]).square().sum().sqrt()
 
+    def clip_grad_norm(self, clip_grad: float):
+        """The global norm over every child; then each child's gradients scaled, on device."""
+        grad_norm = self.get_grad_norm()
+        if clip_grad > 0.0:
+            for child in self._active():
+                child._flat_scale(grad_norm, clip_grad)
+        return grad_norm
+
     @torch.no_grad()
     def count_zeros(self):
         children = self.chained_optimizers
@@ -295,10 +305,18 @@ _CLASSES: dict[type, type] = {}
 
 
 def _flat_class(cls: type) -> type:
-    """``cls`` with the flat mixin in front (cached; isinstance(x, cls) still holds)."""
+    """A subclass of ``cls`` with the flat methods (cached; isinstance(x, cls) still holds).
+
+    The methods are copied into a direct subclass rather than mixed in as a second base:
+    only single inheritance keeps the instance layout that ``__class__`` assignment needs.
+    """
+    mixin = FlatChainedOptimizer if issubclass(cls, ChainedOptimizer) else FlatNormOptimizer
+    if getattr(cls, "_flat_base", None) is not None:
+        return cls
     if cls not in _CLASSES:
-        mixin = FlatChainedOptimizer if issubclass(cls, ChainedOptimizer) else FlatNormOptimizer
-        _CLASSES[cls] = type(f"Flat{cls.__name__}", (mixin, cls), {})
+        methods = {k: v for k, v in vars(mixin).items() if not k.startswith("__")}
+        methods.update(_flat_base=cls, __doc__=mixin.__doc__)
+        _CLASSES[cls] = type(f"Flat{cls.__name__}", (cls,), methods)
     return _CLASSES[cls]
 
 

@@ -1,0 +1,60 @@
+"""The Triton kernels' logic on the CPU, under Triton's interpreter (TRITON_INTERPRET=1).
+
+The interpreter must be switched on before Triton compiles anything, so the checks run in a
+fresh interpreter process. On the GPU the same kernels run compiled (tests/test_storage.py
+with the cuda device, and the Megatron GPU tests).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import math, torch
+    from buffers import triton_kernels as tk
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        buf = torch.zeros(3 * tk.TILE + 500, dtype=dtype)
+        # spans crossing tile boundaries, a one-element span, and a gap that must stay put
+        spans = [(0, tk.TILE + 7), (tk.TILE + 100, tk.TILE + 101), (2 * tk.TILE, buf.numel())]
+        buf.copy_(torch.randn(buf.numel(), generator=gen))
+        table = tk.TileTable(buf, spans)
+        want = sum(buf[a:b].double().square().sum().item() for a, b in spans)
+        got = table.sumsq(buf).item()
+        assert math.isclose(got, want, rel_tol=1e-5), (dtype, got, want)
+        before = buf.clone()
+        table.scale_(buf, torch.tensor(1.0))
+        assert torch.equal(buf, before), "coefficient 1 must leave every bit unchanged"
+        table.scale_(buf, torch.tensor(0.37))
+        inside = torch.zeros(buf.numel(), dtype=torch.bool)
+        for a, b in spans:
+            inside[a:b] = True
+        want_scaled = (before.float() * 0.37).to(dtype)
+        if dtype == torch.bfloat16:
+            # The interpreter converts fp32 -> bf16 by truncation (compiled Triton rounds to
+            # nearest), so allow one bf16 ulp here; fp16 and fp32 must match exactly.
+            torch.testing.assert_close(buf[inside], want_scaled[inside], rtol=2**-7, atol=0)
+        else:
+            assert torch.equal(buf[inside], want_scaled[inside]), dtype
+        assert torch.equal(buf[~inside], before[~inside]), "outside the spans must not change"
+        buf[5] = math.nan
+        assert math.isnan(table.sumsq(buf).item())
+    print("kernels ok")
+    """
+)
+
+
+def test_kernels_under_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "kernels ok" in res.stdout
