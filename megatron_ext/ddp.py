@@ -108,16 +108,13 @@ def param_flags(p: torch.Tensor) -> dict:
     """The attributes Megatron's norm filter reads, with this rank's TP ranks."""
     from megatron.core import parallel_state as ps
 
-    is_expert = not getattr(p, "allreduce", True)
-    expert_tp_rank = None
-    if is_expert and ps.model_parallel_is_initialized():
-        expert_tp_rank = ps.get_expert_tensor_parallel_rank()
+    ready = ps.model_parallel_is_initialized()
     return {
         "shared": bool(getattr(p, "shared", False)),
         "tensor_model_parallel": bool(getattr(p, "tensor_model_parallel", False)),
-        "is_expert": is_expert,
-        "tp_rank": ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0,
-        "expert_tp_rank": expert_tp_rank,
+        "is_expert": not getattr(p, "allreduce", True),
+        "tp_rank": ps.get_tensor_model_parallel_rank() if ready else 0,
+        "expert_tp_rank": ps.get_expert_tensor_parallel_rank() if ready else 0,
     }
 
 

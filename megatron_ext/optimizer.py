@@ -84,6 +84,7 @@ def enable_flat_norm(opt, model_chunks):
     for m in model_chunks:
         records.update(m.grad_records)
         islands.update(m.fp32_accumulation_islands)
+    _check_no_separate_norm_groups(opt)
     for child in children:
         _check_supported(child)
         child._flat = _build_state(child, buffers, records, islands)
@@ -104,11 +105,15 @@ def _check_supported(child) -> None:
             "DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer (and "
             "ChainedOptimizer / HybridDeviceOptimizer around them)"
         )
-    for p in child.get_parameters():
-        tag = getattr(p, "grad_norm_group", None)
-        if tag in SEPARATE_GRAD_NORM_GROUPS:
+
+
+def _check_no_separate_norm_groups(opt) -> None:
+    # has_grad_norm_group() is megatron-core's globally consistent (all-reduced, cached)
+    # flag, so every rank raises together or none does.
+    for tag in SEPARATE_GRAD_NORM_GROUPS:
+        if opt.has_grad_norm_group(tag):
             raise NotImplementedError(
-                f"a parameter is tagged grad_norm_group={tag!r} (clipped by its own norm); "
+                f"parameters are tagged grad_norm_group={tag!r} (clipped by their own norm); "
                 "per_dtype_grad_buffers=True does not support separate grad-norm groups yet"
             )
 

@@ -721,7 +721,7 @@ def rule_dense_tp_for_experts(**flags: Any) -> str | None:
     NVIDIA/Megatron-LM#6470: a DeepSeek-V4 step reported 11.5135 instead of 12.2754 under
     TP4/EP4/ETP1). Takes the keyword arguments of :func:`megatron_ext.spans.exclusion_reason`.
     """
-    return exclusion_reason(**{**flags, "expert_tp_rank": None})
+    return exclusion_reason(**{**flags, "is_expert": False})
 
 
 def rule_experts_lost_tp_flag(**flags: Any) -> str | None:
@@ -738,7 +738,7 @@ def rule_experts_lost_tp_flag(**flags: Any) -> str | None:
     """
     expert = flags["is_expert"]
     tmp = flags["tensor_model_parallel"] and not expert
-    return exclusion_reason(**{**flags, "tensor_model_parallel": tmp, "expert_tp_rank": None})
+    return exclusion_reason(**{**flags, "tensor_model_parallel": tmp, "is_expert": False})
 
 
 def gpt_inventory(

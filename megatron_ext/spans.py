@@ -59,13 +59,18 @@ def exclusion_reason(
 
     Mirrors Megatron's ``param_is_not_shared`` and ``param_is_not_tensor_parallel_duplicate``:
     a parameter that is not split across tensor-parallel ranks is counted on rank 0 of its
-    tensor-parallel group (the expert one for expert parameters, when given).
+    tensor-parallel group: the expert one for expert parameters. ``is_expert`` means
+    Megatron's ``allreduce=False`` (expert-parallel buffers), not "belongs to an MoE layer":
+    with EP = 1 and ETP = TP, experts live in dense buffers and use the dense rank.
     """
     if shared:
         return SHARED
     if tensor_model_parallel:
         return None
-    rank = expert_tp_rank if is_expert and expert_tp_rank is not None else tp_rank
+    if is_expert and expert_tp_rank is None:
+        # Falling back to the dense TP rank here is the published ETP != TP undercount.
+        raise ValueError("an expert-parallel parameter needs its expert tensor-parallel rank")
+    rank = expert_tp_rank if is_expert else tp_rank
     return None if rank == 0 else f"{TP_DUPLICATE} (counted on rank 0, this is rank {rank})"
 
 

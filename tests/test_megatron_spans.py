@@ -28,6 +28,8 @@ def test_exclusion_rules_follow_megatron():
     expert = {**base, "is_expert": True, "tp_rank": 1, "expert_tp_rank": 0}
     assert exclusion_reason(**expert) is None
     assert "rank 1" in exclusion_reason(**{**expert, "tp_rank": 0, "expert_tp_rank": 1})
+    with pytest.raises(ValueError, match="expert tensor-parallel rank"):
+        exclusion_reason(**{**expert, "expert_tp_rank": None})
 
 
 def test_counted_runs_bridge_padding_but_not_excluded_params():
