@@ -13,7 +13,7 @@ import torch
 from buffers.plan import Span
 
 from .ddp import buffer_buckets
-from .spans import RankSpans, rank_spans, to_local
+from .spans import GradRecord, RankSpans, rank_spans, to_local
 
 
 @dataclass
@@ -21,6 +21,7 @@ class BufferTarget:
     """One flat gradient buffer as one optimizer sees it on this rank."""
 
     name: str  # e.g. "bf16 grads of bf16 params (dense)"
+    records: tuple[GradRecord, ...]  # every gradient in the buffer (grad-buffer coordinates)
     spans: RankSpans  # in grad-buffer coordinates
     norm_views: list[torch.Tensor]  # views of the grad buffer that count toward the norm
     scale_views: list[torch.Tensor]  # views of what the optimizer reads (grad buffer or mirror)
@@ -79,7 +80,7 @@ def buffer_target(buf, records, *, sharded: bool, needs_mirror: bool, island=Non
     else:
         spans = rank_spans(records, buf.numel)
     grad = buf.grad_data
-    target = BufferTarget(describe(buf), spans, _views(grad, spans.norm), [])
+    target = BufferTarget(describe(buf), tuple(records), spans, _views(grad, spans.norm), [])
     if needs_mirror:
         mirror = torch.zeros(spans.owned_numel, dtype=torch.float32, device=grad.device)
         local = to_local(spans.owned, spans.owned)
