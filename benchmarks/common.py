@@ -1,0 +1,334 @@
+"""What every benchmark script shares: options, timing, ceilings, progress and writers.
+
+Timing: on CUDA, CUDA events around each call after a warm-up, median of many; on the CPU,
+``time.perf_counter`` the same way. Host time is measured separately: the wall time of
+issuing one call without synchronizing (the device is drained before each one). The copy
+bandwidth ceiling counts read + write bytes, so a pass that reads N bytes once has the floor
+``N / bandwidth`` and a read-modify-write pass ``2 N / bandwidth``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Warm-up calls and timed calls per measurement, by device type, unless --warmup/--reps say.
+DEFAULT_REPEATS = {"cpu": (1, 5), "cuda": (5, 50)}
+# Slow calls (e.g. a per-parameter loop over 10,000 parameters) get fewer timed calls, so one
+# measurement takes about this long, but never fewer than MIN_REPS.
+BUDGET_S = 3.0
+MIN_REPS = 3
+
+
+def base_parser(description: str, timed: bool = True) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark script takes.
+
+    Args:
+        description: the script's one-line description, shown by ``--help``.
+        timed: add ``--warmup`` and ``--reps`` (for scripts that time calls).
+
+    Returns:
+        The parser: ``--device``, ``--out`` and, when timed, ``--warmup``, ``--reps``.
+    """
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to run (default: cuda when available)",
+    )
+    ap.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder")
+    if timed:
+        ap.add_argument("--warmup", type=int, default=None, help="untimed calls before timing")
+        ap.add_argument("--reps", type=int, default=None, help="timed calls (median reported)")
+    return ap
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device named on the command line, or an error saying why it cannot be used.
+
+    Args:
+        name: ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        The device (``cuda`` means the current CUDA device).
+    """
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was given but torch sees no CUDA device; use --device cpu")
+    return torch.device(name, torch.cuda.current_device()) if name == "cuda" else torch.device(name)
+
+
+def repeats(args: argparse.Namespace, device: torch.device) -> tuple[int, int]:
+    """``(warmup, reps)``: the command line's values, else the device type's defaults."""
+    warmup, reps = DEFAULT_REPEATS[device.type]
+    return (
+        warmup if args.warmup is None else args.warmup,
+        reps if args.reps is None else max(1, args.reps),
+    )
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def affordable_reps(fn: Callable[[], Any], device: torch.device, reps: int) -> int:
+    """``reps``, or fewer when one call is slow: what fits in :data:`BUDGET_S` (>= MIN_REPS).
+
+    Args:
+        fn: the call; called once, synchronized, to see how long it takes.
+        device: where it runs.
+        reps: the most calls wanted.
+
+    Returns:
+        How many timed calls to make.
+    """
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    per_call = max(time.perf_counter() - t0, 1e-9)
+    return max(min(reps, MIN_REPS), min(reps, int(BUDGET_S / per_call)))
+
+
+def device_time(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
+    """Median seconds per call of ``fn`` as the device sees it.
+
+    Args:
+        fn: the call to time; called ``warmup`` times, once more to size the run, then
+            ``reps`` times (fewer when slow, see :func:`affordable_reps`).
+        device: CUDA events bracket each call on CUDA; ``perf_counter`` on the CPU.
+        warmup: untimed calls first.
+        reps: timed calls.
+
+    Returns:
+        The median, in seconds.
+    """
+    for _ in range(warmup):
+        fn()
+    reps = affordable_reps(fn, device, reps)
+    if device.type == "cuda":
+        events = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        synchronize(device)
+        return statistics.median(s.elapsed_time(e) / 1e3 for s, e in events)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def host_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """Median wall seconds to issue one call of ``fn``, without synchronizing after it.
+
+    Args:
+        fn: the call to measure.
+        device: drained before each call, so a full launch queue never stalls the issue.
+        reps: calls measured (fewer when slow, see :func:`affordable_reps`).
+
+    Returns:
+        The median, in seconds.
+    """
+    reps = affordable_reps(fn, device, reps)
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    synchronize(device)
+    return statistics.median(times)
+
+
+def count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int | None:
+    """How many times one call of ``fn`` makes the host wait for the GPU.
+
+    Args:
+        fn: the call to inspect.
+        device: on CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` flags each sync.
+
+    Returns:
+        The count on CUDA; None on the CPU, where there is nothing to wait for.
+    """
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    synchronize(device)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def copy_bandwidth(nbytes: int, device: torch.device, warmup: int, reps: int) -> float:
+    """Bytes moved per second by ``dst.copy_(src)`` of ``nbytes`` (read + write counted).
+
+    Args:
+        nbytes: size of the copy; use the benchmarked data's size so caches behave alike.
+        device: where to copy.
+        warmup: untimed copies first.
+        reps: timed copies.
+
+    Returns:
+        ``2 * nbytes / median time``.
+    """
+    src = torch.ones(max(nbytes, 1), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = device_time(lambda: dst.copy_(src), device, warmup, reps)
+    return 2 * src.numel() / seconds
+
+
+@contextlib.contextmanager
+def single_rank_process_group(init_method: str, backend: str = "nccl"):
+    """A one-rank default process group for the duration; an existing one is reused.
+
+    Args:
+        init_method: where the rank rendezvous, e.g. ``"tcp://127.0.0.1:29533"``.
+        backend: the ``torch.distributed`` backend.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group(backend, init_method=init_method, world_size=1, rank=0)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def error_fields(exc: BaseException) -> dict[str, str]:
+    """Record fields for a failed measurement: the exception and the line that raised it.
+
+    Returns:
+        ``{"error": "Type: message", "error_at": "file.py:line: source"}``.
+    """
+    where = traceback.extract_tb(exc.__traceback__)[-1]
+    message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return {
+        "error": message,
+        "error_at": f"{Path(where.filename).name}:{where.lineno}: {where.line}",
+    }
+
+
+def progress(items: Sequence, desc: str):
+    """``items`` wrapped in a tqdm progress bar on stderr."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return value
+
+
+def write_json(records: Iterable[dict], out_dir: Path, name: str) -> Path:
+    """Write ``records`` as a JSON list to ``out_dir/name.json``; non-finite floats as null.
+
+    Args:
+        records: one flat dict per measured row.
+        out_dir: created when missing.
+        name: the file's stem (the script's name).
+
+    Returns:
+        The path written.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    rows = [{k: _json_safe(v) for k, v in r.items()} for r in records]
+    path.write_text(json.dumps(rows, indent=1, allow_nan=False) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a printed table: its header, the record key, and how to show a value."""
+
+    header: str
+    key: str
+    show: Callable[[Any], str] = str
+
+
+def format_table(records: Sequence[dict], columns: Sequence[Column]) -> str:
+    """Records as an aligned text table; a missing or None value shows as ``-``.
+
+    Args:
+        records: the rows.
+        columns: what to show, left to right.
+
+    Returns:
+        The table, header line first.
+    """
+    cells = [[c.header for c in columns]]
+    for r in records:
+        cells.append([c.show(r[c.key]) if r.get(c.key) is not None else "-" for c in columns])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def new_figure(ncols: int, width: float = 6.0, height: float = 4.5):
+    """A matplotlib figure (Agg backend, no display needed) with ``ncols`` axes side by side.
+
+    Returns:
+        ``(figure, list of axes)``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def save_figure(fig, out_dir: Path, name: str) -> Path:
+    """Save ``fig`` to ``out_dir/name.png`` and close it.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def gib(nbytes: float) -> float:
+    """Bytes in GiB."""
+    return nbytes / 2**30

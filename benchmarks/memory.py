@@ -1,0 +1,232 @@
+"""Gradient-buffer bytes per rank: ours against megatron-core's default and grad_reduce_in_fp32.
+
+Run: ``python benchmarks/memory.py --device {cpu,cuda} --out DIR [--dp N]``.
+
+Layout rows (computed, nothing allocated; full-size models) for one pipeline stage on one
+rank: a DeepSeek-V3/V4-like model at TP1/PP32/EP8 (two MoE layers, 256 / 8 = 32 routed
+experts per layer on this rank) and a dense 70B-like model at TP8/PP8 (ten layers,
+TP-sharded shapes). Columns: ours (``buffers.plan_layout``: bf16 buffers, fp32 islands,
+64-element alignment), stock (megatron-core's own
+``DistributedOptimizer.compute_full_param_layout`` with ``grad_reduce_in_fp32=False``:
+gradients in their parameter's dtype) and fp32 (the same with ``grad_reduce_in_fp32=True``).
+
+Measured rows (CUDA only): peak allocated memory of a megatron-core DDP + distributed
+optimizer model with ``megatron_ext``'s ``per_dtype_grad_buffers`` on, off, and with
+``grad_reduce_in_fp32=True`` (see ``memory_ddp.py``).
+
+Writes DIR/memory.json (``kind`` is ``"layout"`` or ``"measured"``; fields in
+:data:`LAYOUT_FIELDS` and ``memory_ddp.MEASURED_FIELDS``) and DIR/memory.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, find the repo
+
+import torch
+
+from benchmarks import common, inventories, memory_ddp
+from benchmarks.inventories import Inventory
+from buffers import plan_layout
+
+LAYOUT_FIELDS = (
+    "kind", "model", "tp", "pp", "ep", "dp", "expert_dp", "bucket_size", "num_params", "numel",
+    "ours_bytes", "ours_fp32_island_bytes", "ours_padding_bytes", "stock_bytes", "fp32_bytes",
+    "ours_gib", "stock_gib", "fp32_gib", "fp32_minus_ours_gib", "stock_minus_ours_gib",
+    "stock_minus_ours_bytes", "stock_method",
+)  # fmt: skip
+STOCK_METHOD = "megatron.core DistributedOptimizer.compute_full_param_layout (meta tensors)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One model stage on one rank, and the parallelism that shaped it."""
+
+    inventory: Inventory
+    tp: int
+    pp: int
+    ep: int
+
+
+def settings() -> list[Setting]:
+    """The production settings we report: DeepSeek-like TP1/PP32/EP8, dense 70B TP8/PP8."""
+    ep = 8
+    moe = dataclasses.replace(inventories.DEEPSEEK_STAGE, ep=ep)
+    dense = inventories.DENSE_70B_STAGE
+    return [
+        Setting(inventories.moe_stage("deepseek_tp1_pp32_ep8", moe), tp=1, pp=32, ep=ep),
+        Setting(inventories.dense_stage("dense70b_tp8_pp8", dense), tp=dense.tp, pp=8, ep=1),
+    ]
+
+
+def meta_params(inv: Inventory) -> list[torch.nn.Parameter]:
+    """Storage-less parameters carrying the attributes Megatron's layout reads."""
+    out = []
+    for e in inv.entries:
+        p = torch.nn.Parameter(torch.empty(e.shape, dtype=e.dtype, device="meta"))
+        if e.name in inv.expert_parallel:
+            p.allreduce = False  # Megatron's mark for expert-parallel buffers
+        out.append(p)
+    return out
+
+
+def stock_bytes(
+    inv: Inventory, dp: int, expert_dp: int, bucket_size: int | None, grad_reduce_in_fp32: bool
+) -> int:
+    """Gradient-buffer bytes megatron-core's distributed-optimizer layout gives this rank.
+
+    Args:
+        inv: the rank's parameters.
+        dp: data-parallel size (bucket ends are padded to a multiple of lcm(dp, 128)).
+        expert_dp: the expert data-parallel size, for expert-parallel buffers.
+        bucket_size: elements per bucket, or None for one bucket per buffer.
+        grad_reduce_in_fp32: Megatron's option: every gradient buffer in fp32.
+
+    Returns:
+        Bytes of all gradient buffers, padding included.
+    """
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=True
+    )
+    layout = DistributedOptimizer.compute_full_param_layout(
+        meta_params(inv), bucket_size, dp, cfg, expert_data_parallel_world_size=expert_dp
+    )
+    return sum(
+        per_buffer.bucket_indices[-1][1] * torch.empty((), dtype=key.grad_dtype).element_size()
+        for key, per_buffer in layout.layouts.items()
+    )
+
+
+def layout_record(s: Setting, dp: int, bucket_size: int | None) -> dict:
+    """One layout row: ours, stock and fp32 bytes for one setting."""
+    inv = s.inventory
+    expert_dp = max(1, dp * s.tp // s.ep)
+    plan = plan_layout(inv.entries, align=64)
+    fp32_island = plan.buffers.get(torch.float32)
+    ours = plan.nbytes
+    stock = stock_bytes(inv, dp, expert_dp, bucket_size, grad_reduce_in_fp32=False)
+    fp32 = stock_bytes(inv, dp, expert_dp, bucket_size, grad_reduce_in_fp32=True)
+    return {
+        "kind": "layout",
+        "model": inv.name,
+        "tp": s.tp,
+        "pp": s.pp,
+        "ep": s.ep,
+        "dp": dp,
+        "expert_dp": expert_dp,
+        "bucket_size": bucket_size,
+        "num_params": inv.num_params,
+        "numel": inv.numel,
+        "ours_bytes": ours,
+        "ours_fp32_island_bytes": fp32_island.nbytes if fp32_island else 0,
+        "ours_padding_bytes": ours - inv.nbytes,
+        "stock_bytes": stock,
+        "fp32_bytes": fp32,
+        "ours_gib": common.gib(ours),
+        "stock_gib": common.gib(stock),
+        "fp32_gib": common.gib(fp32),
+        "fp32_minus_ours_gib": common.gib(fp32 - ours),
+        "stock_minus_ours_gib": common.gib(stock - ours),
+        "stock_minus_ours_bytes": stock - ours,
+        "stock_method": STOCK_METHOD,
+    }
+
+
+def parse_args(argv: list[str] | None):
+    """The command line: common options plus data-parallel size and the measured model."""
+    ap = common.base_parser(__doc__.splitlines()[0], timed=False)
+    ap.add_argument("--dp", type=int, default=8, help="data-parallel size (default 8)")
+    ap.add_argument(
+        "--bucket-size",
+        type=int,
+        default=None,
+        help="elements per DDP bucket (default: none; Megatron turns bucketing off on "
+        "pipeline stages after the first, and these are middle stages)",
+    )
+    ap.add_argument("--hidden", type=int, default=8192, help="measured model's hidden size")
+    ap.add_argument("--layers", type=int, default=8, help="measured model's Linear layers")
+    return ap.parse_args(argv)
+
+
+def plot(records: list[dict], out_dir: Path) -> Path:
+    """Bars: GiB per rank for ours/stock/fp32 per model, and measured peaks when present."""
+    fig, (ax_layout, ax_measured) = common.new_figure(2)
+    layout = [r for r in records if r["kind"] == "layout"]
+    columns = (("ours", "ours_gib"), ("stock", "stock_gib"), ("grad_reduce_in_fp32", "fp32_gib"))
+    for j, (label, key) in enumerate(columns):
+        xs = [i + j * 0.27 for i in range(len(layout))]
+        ax_layout.bar(xs, [r[key] for r in layout], 0.27, label=label, color=f"C{j}")
+    ax_layout.set_xticks([i + 0.27 for i in range(len(layout))], [r["model"] for r in layout])
+    ax_layout.set_ylabel("gradient buffers per rank (GiB)")
+    ax_layout.set_title("layout: one pipeline stage on one rank")
+    ax_layout.legend(fontsize=8)
+    measured = [r for r in records if r["kind"] == "measured" and r["peak_allocated_gib"]]
+    if measured:
+        ax_measured.bar(
+            [r["config"] for r in measured], [r["peak_allocated_gib"] for r in measured]
+        )
+        ax_measured.set_ylabel("peak allocated (GiB)")
+        ax_measured.set_title("measured: megatron-core DDP + distributed optimizer")
+    else:
+        ax_measured.text(0.5, 0.5, "measured peak memory: not run", ha="center", va="center")
+        ax_measured.set_axis_off()
+    return common.save_figure(fig, out_dir, "memory")
+
+
+def _gib(v: float) -> str:
+    return f"{v:.2f}"
+
+
+LAYOUT_TABLE = (
+    common.Column("model", "model"),
+    common.Column("params", "num_params"),
+    common.Column("elements", "numel", lambda v: f"{v:,d}"),
+    common.Column("ours GiB", "ours_gib", _gib),
+    common.Column("stock GiB", "stock_gib", _gib),
+    common.Column("fp32 GiB", "fp32_gib", _gib),
+    common.Column("fp32-ours", "fp32_minus_ours_gib", _gib),
+    common.Column("stock-ours bytes", "stock_minus_ours_bytes", lambda v: f"{v:+,d}"),
+)
+MEASURED_TABLE = (
+    common.Column("config", "config"),
+    common.Column("peak GiB", "peak_allocated_gib", _gib),
+    common.Column("grad buffers GiB", "grad_buffer_gib", _gib),
+    common.Column("error", "error", lambda v: v.splitlines()[0][:60]),
+)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Compute the layout rows, measure on CUDA, write JSON and PNG, print the tables."""
+    args = parse_args(argv)
+    device = common.resolve_device(args.device)
+    records = [
+        layout_record(s, args.dp, args.bucket_size)
+        for s in common.progress(settings(), "memory layouts")
+    ]
+    if device.type == "cuda":
+        records += memory_ddp.measure_peak_memory(args.hidden, args.layers)
+    else:
+        print(
+            "measured peak memory: skipped on the CPU (megatron-core's DDP and distributed "
+            "optimizer need CUDA); run with --device cuda",
+            file=sys.stderr,
+        )
+    json_path = common.write_json(records, args.out, "memory")
+    png_path = plot(records, args.out)
+    print(f"wrote {json_path} and {png_path}", file=sys.stderr)
+    print(common.format_table([r for r in records if r["kind"] == "layout"], LAYOUT_TABLE))
+    measured = [r for r in records if r["kind"] == "measured"]
+    if measured:
+        print()
+        print(common.format_table(measured, MEASURED_TABLE))
+    return records
+
+
+if __name__ == "__main__":
+    main()

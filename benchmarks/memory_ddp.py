@@ -1,0 +1,171 @@
+"""Measured peak memory of megatron-core DDP + distributed optimizer, three configurations.
+
+CUDA only, one GPU, one rank. The model is a stack of bf16 ``Linear`` layers with a few
+fp32 parameters (a hyper-connection-like weight per layer and a sink vector). Each
+configuration builds the model, wraps it with ``megatron_ext.DistributedDataParallel``,
+builds the optimizer with ``megatron_ext.get_megatron_optimizer`` and runs one training
+step; the record holds the peak allocated memory over all of that.
+"""
+
+from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
+
+import torch
+
+from benchmarks import common
+
+INIT_METHOD = "tcp://127.0.0.1:29533"
+# name -> (per_dtype_grad_buffers, grad_reduce_in_fp32)
+CONFIGS = {
+    "on": (True, False),
+    "off": (False, False),
+    "grad_reduce_in_fp32": (False, True),
+}
+MEASURED_FIELDS = (
+    "kind", "model", "config", "per_dtype_grad_buffers", "grad_reduce_in_fp32", "hidden",
+    "layers", "num_params", "numel", "peak_allocated_bytes", "peak_allocated_gib",
+    "grad_buffer_bytes", "grad_buffer_gib", "error", "error_at",
+)  # fmt: skip
+TOKENS = 1024
+
+
+class MixedLinearStack(torch.nn.Module):
+    """bf16 ``Linear`` layers with fp32 parameters in between, as mixed-dtype models have."""
+
+    def __init__(self, hidden: int, layers: int) -> None:
+        super().__init__()
+        kw = {"bias": False, "dtype": torch.bfloat16, "device": "cuda"}
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(hidden, hidden, **kw) for _ in range(layers)
+        )
+        self.hc_alpha = torch.nn.Parameter(torch.full((layers, hidden), 0.5, device="cuda"))
+        self.sink = torch.nn.Parameter(torch.zeros(hidden, device="cuda"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x + (self.hc_alpha[i] * x.float()).to(x.dtype))
+        return x + self.sink.to(x.dtype)
+
+
+def _grad_buffer_bytes(model) -> int:
+    buffers = [*model.buffers, *model.expert_parallel_buffers]
+    islands = getattr(model, "fp32_accumulation_islands", {}).values()
+    return sum(t.numel() * t.element_size() for t in [*(b.grad_data for b in buffers), *islands])
+
+
+def _train_step(model, optimizer, hidden: int) -> None:
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    x = torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16)
+    model(x).float().square().mean().backward()
+    model.finish_grad_sync()
+    optimizer.step()
+
+
+def _release() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _load_api() -> SimpleNamespace:
+    """The parts of ``megatron_ext`` this measurement uses; ImportError when one is missing."""
+    from megatron_ext import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        get_megatron_optimizer,
+        mark_keep_in_fp32,
+    )
+
+    return SimpleNamespace(
+        DistributedDataParallel=DistributedDataParallel,
+        DistributedDataParallelConfig=DistributedDataParallelConfig,
+        get_megatron_optimizer=get_megatron_optimizer,
+        mark_keep_in_fp32=mark_keep_in_fp32,
+    )
+
+
+def _measure_config(api, per_dtype: bool, fp32_reduce: bool, hidden: int, layers: int) -> dict:
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    _release()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    module = MixedLinearStack(hidden, layers)
+    for p in (module.hc_alpha, module.sink):
+        api.mark_keep_in_fp32(p)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+    )
+    ddp_config = api.DistributedDataParallelConfig(
+        per_dtype_grad_buffers=per_dtype,
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=fp32_reduce,
+    )
+    model = api.DistributedDataParallel(config, ddp_config, module)
+    optimizer = api.get_megatron_optimizer(
+        OptimizerConfig(lr=1e-3, bf16=True, use_distributed_optimizer=True, clip_grad=1.0),
+        [model],
+    )
+    _train_step(model, optimizer, hidden)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    grads = _grad_buffer_bytes(model)
+    return {
+        "peak_allocated_bytes": peak,
+        "peak_allocated_gib": common.gib(peak),
+        "grad_buffer_bytes": grads,
+        "grad_buffer_gib": common.gib(grads),
+        "num_params": sum(1 for _ in module.parameters()),
+        "numel": sum(p.numel() for p in module.parameters()),
+    }
+
+
+def measure_peak_memory(hidden: int, layers: int) -> list[dict]:
+    """Peak allocated memory per configuration in :data:`CONFIGS`, on CUDA device 0.
+
+    Args:
+        hidden: the Linear layers' width.
+        layers: how many Linear layers.
+
+    Returns:
+        One ``kind="measured"`` record per configuration (with ``error`` where one failed);
+        empty when ``megatron_ext`` does not provide the integration yet.
+    """
+    try:
+        api = _load_api()
+    except ImportError as exc:
+        print(f"megatron_ext integration not available ({exc})")
+        return []
+    from megatron.core import parallel_state
+
+    records = []
+    torch.cuda.set_device(0)
+    with common.single_rank_process_group(INIT_METHOD):
+        parallel_state.initialize_model_parallel()
+        try:
+            for name, (per_dtype, fp32_reduce) in common.progress(list(CONFIGS.items()), "ddp"):
+                rec = dict.fromkeys(MEASURED_FIELDS) | {
+                    "kind": "measured",
+                    "model": "mixed_linear_stack",
+                    "config": name,
+                    "per_dtype_grad_buffers": per_dtype,
+                    "grad_reduce_in_fp32": fp32_reduce,
+                    "hidden": hidden,
+                    "layers": layers,
+                }
+                try:
+                    rec |= _measure_config(api, per_dtype, fp32_reduce, hidden, layers)
+                except Exception as exc:  # record it and measure the next configuration
+                    rec |= common.error_fields(exc)
+                records.append(rec)
+                _release()
+        finally:
+            parallel_state.destroy_model_parallel()
+    return records

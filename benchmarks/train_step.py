@@ -1,0 +1,246 @@
+"""One training step of a real megatron-core GPTModel: option on vs the stock configurations.
+
+A ``GPTModel`` with megatron-core's local (non-TE) layer spec, bf16 weights and fp32 islands
+(a hyper-connection-like fp32 scale on every layer's MLP output), on one GPU with the
+distributed optimizer. Each configuration is built with our option and with stock
+megatron-core; a configuration that fails to build or step is reported with its error.
+Per step: forward+backward, norm+clip, optimizer (copy to main grads + inner step + param
+gather), each timed with the device drained before and after; and peak allocated memory.
+
+CUDA only: megatron-core's DDP and optimizers allocate on CUDA.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, find the repo
+
+import torch
+
+from benchmarks.common import (
+    Column,
+    base_parser,
+    error_fields,
+    format_table,
+    gib,
+    new_figure,
+    progress,
+    save_figure,
+    single_rank_process_group,
+    write_json,
+)
+
+NAME = "train_step"
+# (label, OptimizerConfig overrides): the seed scenario first, then what stock can run.
+CONFIGS = [
+    (
+        "pa_offload_0.5",
+        dict(
+            use_precision_aware_optimizer=True,
+            optimizer_cpu_offload=True,
+            optimizer_offload_fraction=0.5,
+        ),
+    ),
+    (
+        "pa_offload_1.0",
+        dict(
+            use_precision_aware_optimizer=True,
+            optimizer_cpu_offload=True,
+            optimizer_offload_fraction=1.0,
+        ),
+    ),
+    ("pa_no_offload", dict(use_precision_aware_optimizer=True)),
+    ("offload_0.5", dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)),
+    ("distopt", dict()),
+]
+
+
+def _model(args, fp32_islands: bool):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import megatron_ext
+
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+    )
+    model = GPTModel(
+        config, get_gpt_layer_local_spec(), vocab_size=args.vocab, max_sequence_length=args.seq
+    ).cuda()
+    for layer in model.decoder.layers:
+        alpha = torch.nn.Parameter(
+            torch.ones(
+                args.hidden, device="cuda", dtype=torch.float32 if fp32_islands else torch.bfloat16
+            )
+        )
+        layer.mlp.register_parameter(
+            "hc_alpha", megatron_ext.mark_keep_in_fp32(alpha) if fp32_islands else alpha
+        )
+        layer.mlp.register_forward_hook(
+            lambda mod, inp, out: (out[0] * mod.hc_alpha.to(out[0].dtype), *out[1:])
+        )
+    return config, model
+
+
+def _build(args, option: bool, overrides: dict, fp32_islands: bool):
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_ext
+
+    config, module = _model(args, fp32_islands)
+    ddp_config = megatron_ext.DistributedDataParallelConfig(
+        per_dtype_grad_buffers=option, use_distributed_optimizer=True
+    )
+    model = megatron_ext.DistributedDataParallel(config, ddp_config, module)
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=1e-4,
+        bf16=True,
+        clip_grad=1.0,
+        use_distributed_optimizer=True,
+        **overrides,
+    )
+    return model, megatron_ext.get_megatron_optimizer(opt_config, [model])
+
+
+def _timed(fn) -> tuple[float, object]:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def _measure(args, option: bool, label: str, overrides: dict, fp32_islands: bool) -> dict:
+    row = {"config": label, "variant": "ours" if option else "stock", "fp32_islands": fp32_islands}
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        model, opt = _build(args, option, overrides, fp32_islands)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
+        position = torch.arange(args.seq, device="cuda").expand(args.batch, -1)
+        # Megatron's convention: True marks a masked-out (future) position.
+        mask = torch.ones(1, 1, args.seq, args.seq, device="cuda", dtype=torch.bool).triu(1)
+        times = {"fwd_bwd": [], "norm_clip": [], "optimizer": []}
+        losses = []
+        for step in range(args.steps):
+            model.zero_grad_buffer()
+            opt.zero_grad()
+
+            def fwd_bwd():
+                loss = model(tokens, position, mask, labels=tokens).float().mean()
+                loss.backward()
+                model.finish_grad_sync()
+                return loss
+
+            t_fb, loss = _timed(fwd_bwd)
+            t_prep, _ = _timed(opt.prepare_grads)
+            t_clip, norm = _timed(lambda: _norm_and_clip(opt, option))
+            t_step, _ = _timed(opt.step_with_ready_grads)
+            if step >= args.warmup:
+                times["fwd_bwd"].append(t_fb)
+                times["norm_clip"].append(t_clip)
+                times["optimizer"].append(t_prep + t_step)
+            losses.append(loss.item())
+        row.update({f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()})
+        row["step_ms"] = sum(row[f"{k}_ms"] for k in times)
+        row["grad_norm"] = float(norm)
+        row["loss_first"], row["loss_last"] = losses[0], losses[-1]
+        row["peak_gib"] = gib(torch.cuda.max_memory_allocated())
+        row["grad_buffer_gib"] = gib(sum(b.grad_data.nbytes for b in model.all_grad_buffers()))
+    except Exception as exc:  # a configuration stock cannot run is a result, not a crash
+        row.update(error_fields(exc))
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def _norm_and_clip(opt, option: bool):
+    if option:
+        return opt.clip_grad_norm(opt.config.clip_grad)
+    # stock ChainedOptimizer has no clip_grad_norm; its step() does norm then clip per child
+    return [c.clip_grad_norm(c.config.clip_grad) for c in opt.chained_optimizers][0]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = base_parser(__doc__.splitlines()[0], timed=False)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args(argv)
+    if args.device != "cuda" or not torch.cuda.is_available():
+        print(
+            "train_step needs CUDA (megatron-core's DDP and optimizers allocate on CUDA); "
+            "nothing measured"
+        )
+        write_json([], args.out, NAME)
+        return []
+    torch.cuda.set_device(0)
+    rows = []
+    with single_rank_process_group("tcp://127.0.0.1:29541"):
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel()
+        runs = [(opt, label, ov, True) for label, ov in CONFIGS for opt in (True, False)]
+        runs.append((False, "pa_offload_0.5", CONFIGS[0][1], False))  # stock, islands in bf16
+        for option, label, overrides, islands in progress(runs, NAME):
+            rows.append(_measure(args, option, label, overrides, islands))
+        parallel_state.destroy_model_parallel()
+    write_json(rows, args.out, NAME)
+    _plot(rows, args)
+    print(
+        format_table(
+            rows,
+            [
+                Column("config", "config"),
+                Column("variant", "variant"),
+                Column("fp32 islands", "fp32_islands"),
+                Column("fwd+bwd ms", "fwd_bwd_ms", lambda v: f"{v:.2f}"),
+                Column("norm+clip ms", "norm_clip_ms", lambda v: f"{v:.3f}"),
+                Column("optimizer ms", "optimizer_ms", lambda v: f"{v:.2f}"),
+                Column("peak GiB", "peak_gib", lambda v: f"{v:.2f}"),
+                Column("loss first->last", "loss_last", lambda v: f"{v:.4f}"),
+                Column("error", "error", lambda v: v[:70]),
+            ],
+        )
+    )
+    return rows
+
+
+def _plot(rows: list[dict], args) -> None:
+    ok = [r for r in rows if "error" not in r]
+    fig, (ax,) = new_figure(1, width=9)
+    labels = [f"{r['config']}\n{r['variant']}{'' if r['fp32_islands'] else ' (bf16)'}" for r in ok]
+    bottom = [0.0] * len(ok)
+    for key in ("fwd_bwd_ms", "norm_clip_ms", "optimizer_ms"):
+        vals = [r[key] for r in ok]
+        ax.bar(labels, vals, bottom=bottom, label=key.removesuffix("_ms"))
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"GPTModel {args.layers}x{args.hidden}, one GPU (failed configs omitted)")
+    ax.legend()
+    ax.tick_params(axis="x", labelsize=7)
+    save_figure(fig, args.out, NAME)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On the GPU test machine: install the carried megatron-core wheel, then run the named steps,
+# each under its own time limit, logging to $OUT/<step>.log. Usage: gpu_session.sh STEP...
+# Steps: tests, example, norm_clip, memory, train_step, offload.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+mkdir -p "$OUT/bench"
+step() {  # name, limit in seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name exit $?"
+  grep -E "passed|failed|error" "$OUT/$name.log" | tail -3
+}
+for s in "$@"; do
+  case $s in
+    tests) step tests 300 python3 -m pytest -p no:cacheprovider -q -m "cuda or not cuda" \
+      -W ignore::UserWarning -W ignore::DeprecationWarning -rfE tests/gpu tests/test_storage.py \
+      tests/test_lists.py tests/test_backends.py tests/test_distributed.py \
+      tests/test_properties.py tests/test_plan.py tests/test_megatron_spans.py ;;
+    example) step example 120 python3 examples/megatron_quickstart.py ;;
+    norm_clip|memory|train_step|offload)
+      step "$s" 300 python3 "benchmarks/$s.py" --device cuda --out "$OUT/bench" ;;
+    *) echo "unknown step $s"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,99 @@
+"""CPU smoke tests of the benchmark scripts: tiny sizes, documented fields, outputs written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """Import ``benchmarks/<name>.py`` from its file, as ``python benchmarks/<name>.py`` would."""
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", ROOT / "benchmarks" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_outputs(out: Path, name: str) -> list[dict]:
+    assert (out / f"{name}.png").stat().st_size > 0
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def norm_clip_run(tmp_path_factory):
+    script = load_script("norm_clip")
+    out = tmp_path_factory.mktemp("norm_clip")
+    argv = ["--device", "cpu", "--out", str(out), "--scale", "0.004", "--warmup", "0"]
+    argv += ["--reps", "1", "--scaling-counts", "80,200", "--scaling-bytes", "32768"]
+    returned = script.main(argv)
+    return script, returned, read_outputs(out, "norm_clip")
+
+
+def test_norm_clip_records_have_documented_fields(norm_clip_run):
+    script, returned, records = norm_clip_run
+    assert records == json.loads(json.dumps(returned))
+    for r in records:
+        assert set(script.RECORD_FIELDS) <= set(r)
+    rows = {(r["inventory"], r["variant"], r["op"]) for r in records}
+    invs = {"dense_gpt", "deepseek_moe", "scaling_80", "scaling_200"}
+    variants = {"megatron", "upstream_fix", "torch", "flat"}
+    assert rows == {(i, v, o) for i in invs for v in variants for o in script.OPS}
+
+
+def test_norm_clip_flat_matches_fp64_reference(norm_clip_run):
+    _, _, records = norm_clip_run
+    flat = [r for r in records if r["variant"] == "flat"]
+    assert flat
+    for r in flat:
+        assert r["error"] is None
+        assert r["rel_err"] <= 1e-5, r
+        assert r["time_s"] > 0 and r["host_time_s"] > 0 and r["ratio"] > 0
+
+
+def test_norm_clip_cpu_rows(norm_clip_run):
+    script, _, records = norm_clip_run
+    for r in records:
+        assert r["host_syncs"] is None  # nothing to count on the CPU
+        assert r["time_kind"] == "perf_counter"
+        if r["variant"] == "megatron":
+            assert r["note"] == "per-parameter algorithm re-implemented for CPU"
+
+
+def test_memory_layout_rows(tmp_path):
+    script = load_script("memory")
+    script.main(["--device", "cpu", "--out", str(tmp_path)])
+    records = read_outputs(tmp_path, "memory")
+    assert {r["model"] for r in records} == {"deepseek_tp1_pp32_ep8", "dense70b_tp8_pp8"}
+    for r in records:
+        assert r["kind"] == "layout"
+        assert set(script.LAYOUT_FIELDS) <= set(r)
+        assert r["ours_bytes"] < r["fp32_bytes"]
+        assert r["fp32_minus_ours_gib"] == pytest.approx(
+            (r["fp32_bytes"] - r["ours_bytes"]) / 2**30
+        )
+
+
+def test_norm_clip_registry_hook_adds_a_row(tmp_path, monkeypatch):
+    script = load_script("norm_clip")
+
+    def flat_again(named, device):
+        prep = script.VARIANTS["flat"](named, device)
+        prep.fields = {"variant": "flat", "path": "megatron_spans"}
+        return prep
+
+    monkeypatch.setitem(script.VARIANTS, "flat_megatron_spans", flat_again)
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--scale", "0.002", "--reps", "1"]
+    argv += ["--ops", "norm", "--variants", "flat,flat_megatron_spans", "--scaling-counts", ""]
+    records = script.main(argv)
+    paths = {(r["inventory"], r["variant"], r["path"]) for r in records}
+    assert ("deepseek_moe", "flat", "megatron_spans") in paths
+    assert ("deepseek_moe", "flat", None) in paths
