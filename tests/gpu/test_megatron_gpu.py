@@ -5,7 +5,6 @@ only run on CUDA, so these cannot run in CPU CI.
 """
 
 import math
-import os
 
 import pytest
 import torch
@@ -19,19 +18,9 @@ HIDDEN = 256
 MAX_NORM = 0.05  # small enough that clipping is active on these gradients
 
 
-@pytest.fixture(scope="module", autouse=True)
-def megatron_world():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    ps.initialize_model_parallel()
-    yield
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+@pytest.fixture(autouse=True)
+def _world(megatron_world):
+    """Every test here runs inside the session's one-rank NCCL world (conftest.py)."""
 
 
 class Mixed(torch.nn.Module):
