@@ -271,3 +271,17 @@ def test_check_bindings_catches_reassignment_without_backward():
     a.grad = None
     with pytest.raises(GradientOutsideBufferError, match="'a'"):
         fgb.check_bindings()
+
+
+def test_frozen_after_construction_contributes_zero_after_zero(device):
+    a, b = params_of([(8, FP32), (8, BF16)], device)
+    a.data.normal_()
+    b.data.normal_()
+    fgb = FlatGradBuffers([a, b])
+    (a.sum() + b.float().sum()).backward()
+    assert fgb.grad_norm().item() == pytest.approx(4.0)
+    b.requires_grad_(False)
+    fgb.zero_()
+    a.sum().backward()  # b gets no gradient now; its view stays zero
+    assert fgb.grad_norm().item() == pytest.approx(math.sqrt(8))
+    assert fgb.view(b).eq(0).all()
