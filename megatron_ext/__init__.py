@@ -11,9 +11,14 @@ from .config import DistributedDataParallelConfig
 from .ddp import DistributedDataParallel, LayoutMismatchError
 from .fp32 import Float16Module, cast_marked_to_fp32, mark_keep_in_fp32
 from .install import install, uninstall
+from .norm_audit import AuditResult, NormOwnershipError, audit_norm_ownership, explain_norm
 from .optimizer import enable_flat_norm, get_megatron_optimizer
 
 __all__ = [
+    "AuditResult",
+    "NormOwnershipError",
+    "audit_norm_ownership",
+    "explain_norm",
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
     "Float16Module",

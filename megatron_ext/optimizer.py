@@ -17,10 +17,11 @@ from megatron.core.optimizer.optimizer import (
 
 from buffers import ops
 
+from . import offload
 from .targets import FlatOptimizerState, buffer_target, mirror_view
 
 
-def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
+def get_megatron_optimizer(config, model_chunks, *args, host_mirrors: bool = True, **kwargs):
     """megatron-core's ``get_megatron_optimizer``, flat norm/clip when the DDP option is on.
 
     Same signature and return types as megatron-core's. When the model chunks are
@@ -29,6 +30,11 @@ def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
     ``get_grad_norm``, ``clip_grad_norm``, ``count_zeros`` and ``step`` from spans of the
     flat buffers computed here, once. Natively fp32 parameters also work with the
     distributed optimizer and CPU offload, which stock megatron-core 0.19 rejects.
+
+    With CPU offload (``optimizer_cpu_offload=True``) and ``host_mirrors=True`` (the
+    default; only read when the option is on), gradients and parameters move through one
+    pinned host mirror per flat buffer (:mod:`megatron_ext.offload`); ``host_mirrors=False``
+    keeps megatron-core's per-parameter copies.
     """
     flags = [bool(getattr(m, "per_dtype_grad_buffers", False)) for m in model_chunks]
     if not any(flags):
@@ -40,7 +46,7 @@ def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
         )
     with _fp32_shards_as_leaves():
         opt = _mcore_optimizer.get_megatron_optimizer(config, model_chunks, *args, **kwargs)
-    return enable_flat_norm(opt, model_chunks)
+    return enable_flat_norm(opt, model_chunks, host_mirrors=host_mirrors)
 
 
 @contextlib.contextmanager
@@ -75,8 +81,12 @@ def _fp32_shards_as_leaves():
         DistributedOptimizer._build_model_and_main_param_groups = original
 
 
-def enable_flat_norm(opt, model_chunks):
-    """Give ``opt`` (a ChainedOptimizer or one child) flat norm/clip; returns it."""
+def enable_flat_norm(opt, model_chunks, *, host_mirrors: bool = True):
+    """Give ``opt`` (a ChainedOptimizer or one child) flat norm/clip; returns it.
+
+    ``host_mirrors``: CPU-offloaded distributed optimizers also get flat host mirrors
+    (:func:`megatron_ext.offload.attach_host_mirrors`).
+    """
     children = opt.chained_optimizers if isinstance(opt, ChainedOptimizer) else [opt]
     buffers = [b for m in model_chunks for b in m.all_grad_buffers()]
     records = {}
@@ -89,6 +99,8 @@ def enable_flat_norm(opt, model_chunks):
         _check_supported(child)
         child._flat = _build_state(child, buffers, records, islands)
         child.__class__ = _flat_class(type(child))
+        if host_mirrors:
+            offload.attach_host_mirrors(child)
     if isinstance(opt, ChainedOptimizer):
         opt.__class__ = _flat_class(type(opt))
     return opt

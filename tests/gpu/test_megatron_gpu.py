@@ -153,8 +153,14 @@ def padding_is_zero(model):
 @pytest.mark.parametrize("fp32_first", [False, True], ids=["fp32_last", "fp32_first"])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_norm_clip_and_training_with_option(kind, fp32_first):
+    import megatron_ext
+
     model, opt = build(kind, True, fp32_first)
     assert type(opt).__name__ == "FlatChainedOptimizer"
+    audit = megatron_ext.audit_norm_ownership([model], opt)
+    assert audit.pieces == len(list(model.module.parameters()))
+    table = megatron_ext.explain_norm([model], opt)
+    assert "counted" in table and "hc_alpha" in table
     dtypes = {buf.grad_dtype for buf in model.all_grad_buffers()}
     if kind != "fp32":
         assert dtypes == {torch.bfloat16, torch.float32}  # bf16 buffer + fp32 island

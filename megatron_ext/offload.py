@@ -1,0 +1,633 @@
+"""CPU-offloaded optimizer steps through one pinned host mirror per flat gradient buffer.
+
+megatron-core's ``HybridDeviceOptimizer`` moves gradients to the host one parameter at a
+time (converting bf16 to fp32 on the GPU, into a temporary, on the way) and moves updated
+parameters back one at a time. With ``per_dtype_grad_buffers=True`` the distributed
+optimizer's shard of each buffer is a few contiguous ranges, so here, per buffer:
+
+- the offloaded part of this rank's shard is cut into blocks (:func:`offload_blocks`):
+  maximal runs of the owned ranges that hold no GPU-updated parameter; at offload
+  fraction 1 that is one block per owned range;
+- one pinned staging tensor holds every block (:class:`BufferMirror`); each step fills it
+  with one device-to-host copy per block, in the gradient's own dtype;
+- the CPU optimizer's gradients are views of that staging tensor, or, when the CPU
+  parameters are fp32 copies of lower-precision ones, views of one host fp32 tensor filled
+  from it by one conversion per block; its parameters are views of one host tensor;
+- after a block's last CPU update, one conversion per block packs the parameters into the
+  same staging bytes and one host-to-device copy per block sends them back.
+
+Everything is built once; a step allocates nothing. Layout and schedule are plain data
+(:class:`MirrorLayout`, :class:`CopySchedule`), computable and testable on the CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from buffers.plan import Span, intersect_spans, merge_spans
+
+from .spans import to_local
+
+# ---------------------------------------------------------------------------------------
+# Layout and schedule: pure data
+
+
+def subtract_spans(a: Iterable[Span], b: Iterable[Span]) -> tuple[Span, ...]:
+    """Elements of ``a`` that are not in ``b``, as merged spans."""
+    cuts = merge_spans(b)
+    out: list[Span] = []
+    for s in merge_spans(a):
+        start = s.start
+        for c in cuts:
+            if c.end <= start or c.start >= s.end:
+                continue
+            if c.start > start:
+                out.append(Span(start, c.start))
+            start = max(start, c.end)
+        if start < s.end:
+            out.append(Span(start, s.end))
+    return merge_spans(out)
+
+
+def offload_blocks(
+    owned: Sequence[Span], offloaded: Sequence[Span], resident: Sequence[Span]
+) -> tuple[Span, ...]:
+    """The contiguous blocks one buffer's offloaded gradients and parameters move in.
+
+    A block is the hull of the offloaded elements inside one run of ``owned`` that holds no
+    ``resident`` element: between offloaded parameters it holds only padding, so copying
+    it whole moves no byte that a GPU-side update owns.
+
+    Args:
+        owned: this rank's ranges of the buffer (buffer coordinates).
+        offloaded: the ranges of the parameters the CPU optimizer updates.
+        resident: the ranges of the parameters the GPU optimizer updates.
+
+    Returns:
+        The blocks, sorted, in buffer coordinates.
+    """
+    owned, offloaded = merge_spans(owned), merge_spans(offloaded)
+    outside = subtract_spans(offloaded, owned)
+    if outside:
+        raise ValueError(f"offloaded elements {outside[0]} lie outside this rank's shard")
+    both = intersect_spans(offloaded, resident)
+    if both:
+        raise ValueError(f"elements {both[0]} are both offloaded and GPU-resident")
+    blocks = []
+    for run in subtract_spans(owned, resident):
+        inside = intersect_spans(offloaded, [run])
+        if inside:
+            blocks.append(Span(inside[0].start, inside[-1].end))
+    return tuple(blocks)
+
+
+@dataclass(frozen=True)
+class MirrorLayout:
+    """One buffer's blocks (buffer coordinates), laid end to end in its host mirror."""
+
+    blocks: tuple[Span, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.blocks)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each block starts in the mirror, in elements."""
+        out, base = [], 0
+        for b in self.blocks:
+            out.append(base)
+            base += b.numel
+        return tuple(out)
+
+    def block_of(self, span: Span) -> int:
+        """Index of the block that holds ``span`` (buffer coordinates)."""
+        i = bisect.bisect_right([b.start for b in self.blocks], span.start) - 1
+        if i < 0 or not (self.blocks[i].start <= span.start and span.end <= self.blocks[i].end):
+            raise ValueError(f"{span} lies in no block of {self.blocks}")
+        return i
+
+    def local(self, span: Span) -> Span:
+        """Mirror coordinates of ``span`` (buffer coordinates, inside one block)."""
+        b = self.block_of(span)
+        base = self.offsets[b] - self.blocks[b].start
+        return Span(base + span.start, base + span.end)
+
+    def staging_nbytes(self, grad_dtype: torch.dtype, param_dtype: torch.dtype) -> int:
+        """Bytes of the staging tensor: every block holds its gradients, later its params."""
+        return self.numel * max(_itemsize(grad_dtype), _itemsize(param_dtype))
+
+
+def mirror_layout(
+    owned: Sequence[Span], offloaded: Sequence[Span], resident: Sequence[Span]
+) -> MirrorLayout:
+    """The :class:`MirrorLayout` of :func:`offload_blocks` (same arguments)."""
+    return MirrorLayout(offload_blocks(owned, offloaded, resident))
+
+
+@dataclass(frozen=True)
+class CopySchedule:
+    """When each block moves, for CPU optimizers stepped in order (block indices global).
+
+    Attributes:
+        d2h_order: blocks in the order their device-to-host copies are issued (by first
+            reader), on one stream, so waiting for one block waits for those before it.
+        wait_for: per CPU optimizer, the block whose copy completes its inputs.
+        convert_before: per CPU optimizer, the blocks it reads first: their gradients are
+            converted on the host just before its step.
+        copy_back_after: per CPU optimizer, the blocks it reads last: their parameters go
+            back to the device just after its step.
+    """
+
+    d2h_order: tuple[int, ...]
+    wait_for: tuple[int, ...]
+    convert_before: tuple[tuple[int, ...], ...]
+    copy_back_after: tuple[tuple[int, ...], ...]
+
+
+def copy_schedule(reads: Sequence[Iterable[int]], num_blocks: int) -> CopySchedule:
+    """The :class:`CopySchedule` for CPU optimizers that read the given blocks.
+
+    Args:
+        reads: per CPU optimizer (in step order), the blocks its parameters lie in.
+        num_blocks: how many blocks there are; each must be read by some optimizer.
+
+    Returns:
+        The schedule.
+    """
+    reads = [sorted(set(r)) for r in reads]
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for k, blocks in enumerate(reads):
+        if not blocks:
+            raise ValueError(f"CPU optimizer {k} reads no block")
+        for b in blocks:
+            if not 0 <= b < num_blocks:
+                raise ValueError(f"CPU optimizer {k} reads block {b} of {num_blocks}")
+            first.setdefault(b, k)
+            last[b] = k
+    unread = sorted(set(range(num_blocks)) - first.keys())
+    if unread:
+        raise ValueError(f"blocks {unread} are read by no CPU optimizer")
+    order = tuple(sorted(range(num_blocks), key=lambda b: (first[b], b)))
+    position = {b: i for i, b in enumerate(order)}
+    convert: list[list[int]] = [[] for _ in reads]
+    copy_back: list[list[int]] = [[] for _ in reads]
+    for b in order:
+        convert[first[b]].append(b)
+        copy_back[last[b]].append(b)
+    return CopySchedule(
+        d2h_order=order,
+        wait_for=tuple(max(r, key=position.__getitem__) for r in reads),
+        convert_before=tuple(map(tuple, convert)),
+        copy_back_after=tuple(map(tuple, copy_back)),
+    )
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---------------------------------------------------------------------------------------
+# Host mirrors: tensors and the copies between them, built once
+
+
+@dataclass
+class HostBlock:
+    """One block's four copies, as (destination, source) views built once."""
+
+    d2h: tuple[torch.Tensor, torch.Tensor]  # staging (gradient dtype) <- device gradients
+    convert: tuple[torch.Tensor, torch.Tensor] | None  # CPU-dtype gradients <- staging
+    pack: tuple[torch.Tensor, torch.Tensor]  # staging (device parameter dtype) <- host params
+    h2d: tuple[torch.Tensor, torch.Tensor]  # device parameters <- staging
+
+    def start_d2h(self) -> None:
+        dst, src = self.d2h
+        dst.copy_(src, non_blocking=True)
+
+    def convert_grads(self) -> None:
+        if self.convert is not None:
+            dst, src = self.convert
+            dst.copy_(src)
+
+    def pack_params(self) -> None:
+        dst, src = self.pack
+        dst.copy_(src)
+
+    def start_h2d(self) -> None:
+        dst, src = self.h2d
+        dst.copy_(src, non_blocking=True)
+
+
+@dataclass
+class BufferMirror:
+    """The host side of one flat buffer's offloaded shard."""
+
+    name: str
+    layout: MirrorLayout
+    staging: torch.Tensor  # uint8: the one pinned allocation; gradients in, parameters out
+    host_params: torch.Tensor  # the CPU optimizer's parameters (CPU dtype), laid out as layout
+    cpu_grads: torch.Tensor  # the CPU optimizer's gradients: staging itself, or converted
+    blocks: list[HostBlock]
+    owned_numel: int  # elements of this rank's shard of the buffer
+    grads_dtype: torch.dtype  # dtype of what moves device-to-host
+    params_dtype: torch.dtype  # dtype of what moves host-to-device
+    device_params: torch.Tensor | None = None  # flat device parameters, when built here
+
+    def cpu_views(self, span: Span) -> tuple[torch.Tensor, torch.Tensor]:
+        """(parameter, gradient) host views of buffer elements ``span``."""
+        s = self.layout.local(span)
+        return self.host_params[s.start : s.end], self.cpu_grads[s.start : s.end]
+
+    def load_params(self) -> None:
+        """Fill the host parameters from the device (blocking; at construction)."""
+        for block in self.blocks:
+            device, _ = block.h2d
+            _, host = block.pack
+            host.copy_(device)
+
+    def stats(self) -> dict:
+        """Sizes: blocks, pinned and host bytes, bytes each way per step, owned bytes."""
+        storage = self.cpu_grads.untyped_storage().data_ptr()
+        converted = storage != self.staging.untyped_storage().data_ptr()
+        return {
+            "buffer": self.name,
+            "blocks": len(self.blocks),
+            "owned_bytes": self.owned_numel * _itemsize(self.grads_dtype),
+            "staging_bytes": self.staging.numel(),
+            "pinned": self.staging.is_pinned(),
+            "host_param_bytes": self.host_params.numel() * self.host_params.element_size(),
+            "host_grad_bytes": self.cpu_grads.numel() * self.cpu_grads.element_size()
+            if converted
+            else 0,
+            "d2h_bytes": self.layout.numel * _itemsize(self.grads_dtype),
+            "h2d_bytes": self.layout.numel * _itemsize(self.params_dtype),
+            "grads_dtype": self.grads_dtype,
+            "params_dtype": self.params_dtype,
+        }
+
+
+def _device_view(t: torch.Tensor, span: Span, coords: Sequence[Span] | None) -> torch.Tensor:
+    if coords is None:
+        return t[span.start : span.end]
+    local = to_local([span], coords)
+    if len(local) != 1 or local[0].numel != span.numel:
+        raise ValueError(f"{span} is not one contiguous run of {coords}")
+    return t[local[0].start : local[0].end]
+
+
+def build_buffer_mirror(
+    name: str,
+    layout: MirrorLayout,
+    *,
+    owned_numel: int,
+    grads: torch.Tensor,
+    grads_coords: Sequence[Span] | None,
+    params: torch.Tensor,
+    params_coords: Sequence[Span] | None,
+    cpu_dtype: torch.dtype,
+    pin: bool,
+) -> BufferMirror:
+    """Allocate one buffer's host mirror and build its per-block copies.
+
+    Args:
+        name: the buffer's readable name.
+        layout: its blocks.
+        owned_numel: elements of this rank's shard of the buffer (for the report).
+        grads: the device tensor holding the gradients the optimizer reads.
+        grads_coords: None when ``grads`` is in buffer coordinates; else the spans laid end
+            to end in it (an fp32 mirror of the owned ranges, say).
+        params: the device tensor the updated parameters go back to.
+        params_coords: as ``grads_coords``, for ``params``.
+        cpu_dtype: the CPU optimizer's parameter dtype.
+        pin: allocate the staging tensor in pinned memory (needs CUDA).
+
+    Returns:
+        The :class:`BufferMirror`.
+    """
+    width = max(_itemsize(grads.dtype), _itemsize(params.dtype))
+    staging = torch.zeros(layout.numel * width, dtype=torch.uint8, pin_memory=pin)
+    host_params = torch.zeros(layout.numel, dtype=cpu_dtype)
+    in_place = grads.dtype == cpu_dtype and _itemsize(cpu_dtype) == width
+    cpu_grads = staging.view(cpu_dtype) if in_place else torch.zeros(layout.numel, dtype=cpu_dtype)
+    blocks = []
+    for span, off in zip(layout.blocks, layout.offsets, strict=True):
+        base, n = off * width, span.numel
+        grad_stage = staging[base : base + n * grads.element_size()].view(grads.dtype)
+        param_stage = staging[base : base + n * params.element_size()].view(params.dtype)
+        blocks.append(
+            HostBlock(
+                d2h=(grad_stage, _device_view(grads, span, grads_coords)),
+                convert=None if in_place else (cpu_grads[off : off + n], grad_stage),
+                pack=(param_stage, host_params[off : off + n]),
+                h2d=(_device_view(params, span, params_coords), param_stage),
+            )
+        )
+    return BufferMirror(
+        name, layout, staging, host_params, cpu_grads, blocks, owned_numel, grads.dtype,
+        params.dtype,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# The optimizer
+
+
+@dataclass
+class OffloadSource:
+    """What the host mirror of one buffer is built from (taken from the optimizer once)."""
+
+    name: str
+    owned: tuple[Span, ...]  # this rank's ranges (buffer coordinates)
+    grads: torch.Tensor  # what the optimizer's gradients are views of
+    grads_coords: tuple[Span, ...] | None  # None: buffer coordinates; else owned, end to end
+    param_data: torch.Tensor  # the DDP parameter buffer
+    spans: dict[torch.Tensor, Span]  # every inner-optimizer parameter of this buffer
+
+
+class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
+    """megatron-core's ``HybridDeviceOptimizer`` moving whole blocks through host mirrors.
+
+    Made by :func:`attach_host_mirrors` (a class swap of an existing instance); the
+    placement (which parameters the CPU updates), the sub-optimizers, the streams and the
+    step are megatron-core's. What changes: the CPU parameters and their gradients are views
+    of one host mirror per buffer (:attr:`host_mirrors`), gradients arrive with one
+    device-to-host copy per block, parameters leave with one host-to-device copy per block
+    (:class:`CopySchedule` says when), and the GPU optimizer's gradients are set on the
+    compute stream just before the GPU step (megatron-core makes the fp32 masters' ones on
+    its copy stream, which the GPU step does not wait for, and gives natively fp32
+    parameters with precision-aware gradients none: see :meth:`_set_gpu_grads`).
+    """
+
+    _offload_sources: tuple[OffloadSource, ...] = ()
+    _reused_placement: tuple | None = None
+    host_mirrors: list[BufferMirror]
+
+    def _get_sub_optimizer_param_groups(self, offload_fraction):
+        if self._reused_placement is not None:
+            placement, self._reused_placement = self._reused_placement, None
+            return placement
+        return super()._get_sub_optimizer_param_groups(offload_fraction)
+
+    def _init_sub_optimizers(self):
+        super()._init_sub_optimizers()
+        self._build_host_mirrors()
+
+    def _build_host_mirrors(self) -> None:
+        offloaded = self.gpu_params_map_cpu_copy
+        self.host_mirrors = []
+        self._host_blocks: list[HostBlock] = []
+        block_of: dict[torch.Tensor, int] = {}
+        for source in self._offload_sources:
+            mine = [(p, s) for p, s in source.spans.items() if p in offloaded]
+            if not mine:
+                continue
+            resident = [s for p, s in source.spans.items() if p not in offloaded]
+            layout = mirror_layout(source.owned, [s for _, s in mine], resident)
+            params, params_coords, device_params = _device_params(source, layout, mine)
+            mirror = build_buffer_mirror(
+                source.name,
+                layout,
+                owned_numel=sum(s.numel for s in source.owned),
+                grads=source.grads,
+                grads_coords=source.grads_coords,
+                params=params,
+                params_coords=params_coords,
+                cpu_dtype=_one_dtype(offloaded[p] for p, _ in mine),
+                pin=self.pin_cpu_grads,
+            )
+            mirror.device_params = device_params
+            mirror.load_params()
+            for p, s in mine:
+                cpu = offloaded[p]
+                data, grad = mirror.cpu_views(s)
+                cpu.data = data.view(cpu.shape)
+                cpu.requires_grad = False
+                cpu.grad = grad.view(cpu.shape)
+                block_of[cpu] = len(self._host_blocks) + layout.block_of(s)
+            self.host_mirrors.append(mirror)
+            self._host_blocks += mirror.blocks
+        missing = [p for p, cpu in offloaded.items() if cpu not in block_of]
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} offloaded parameters (shape {tuple(missing[0].shape)}, ...) "
+                "lie in no flat buffer this optimizer owns; build the optimizer with "
+                "megatron_ext.get_megatron_optimizer, or pass host_mirrors=False"
+            )
+        reads = [
+            [block_of[p] for g in opt.param_groups for p in g["params"]]
+            for opt in self.cpu_optimizers
+        ]
+        self._schedule = copy_schedule(reads, len(self._host_blocks))
+        self._d2h_events = [torch.cuda.Event() for _ in self._host_blocks]
+        self._h2d_done = torch.cuda.Event()
+        self._gpu_masters = [
+            (p, fp32) for p, fp32 in self.param_to_fp32_param.items() if p not in offloaded
+        ]
+        self._gpu_natives = [
+            p
+            for g in self.gpu_param_groups
+            for p in g["params"]
+            if p not in self.fp32_param_to_orig_param
+        ]
+
+    def _register_param_copy_back_gpu_hook(self):
+        for k, optimizer in enumerate(self.cpu_optimizers):
+            optimizer.register_step_pre_hook(functools.partial(self._before_cpu_step, k))
+            optimizer.register_step_post_hook(functools.partial(self._after_cpu_step, k))
+        if self.gpu_optimizer is not None:
+            self.gpu_optimizer.register_step_pre_hook(self._set_gpu_grads)
+            if self.param_update_in_fp32:
+                self.gpu_optimizer.register_step_post_hook(self._copy_gpu_masters_back)
+
+    def _set_sub_optimizer_grads(self):
+        """One device-to-host copy per block, on the copy stream (megatron-core's step
+        calls this there), then one event per block for the CPU steps to wait on."""
+        for b in self._schedule.d2h_order:
+            self._host_blocks[b].start_d2h()
+            self._d2h_events[b].record(self._d2h_stream)
+        for k, optimizer in enumerate(self.cpu_optimizers):
+            self._cpu_optimizer_map_data_event[optimizer] = self._d2h_events[
+                self._schedule.wait_for[k]
+            ]
+
+    def _before_cpu_step(self, k: int, optimizer, args, kwargs) -> None:
+        # megatron-core's step has synchronized this optimizer's event: its blocks are here.
+        for b in self._schedule.convert_before[k]:
+            self._host_blocks[b].convert_grads()
+
+    def _after_cpu_step(self, k: int, optimizer, args, kwargs) -> None:
+        blocks = [self._host_blocks[b] for b in self._schedule.copy_back_after[k]]
+        if not blocks:
+            return
+        # The staging bytes are free: this step's gradients in them have been read. The
+        # next step's device-to-host copy waits for these copies through the compute stream.
+        for block in blocks:
+            block.pack_params()
+        self._h2d_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._h2d_stream):
+            for block in blocks:
+                block.start_h2d()
+        self._h2d_done.record(self._h2d_stream)
+        torch.cuda.current_stream().wait_event(self._h2d_done)
+
+    def _set_gpu_grads(self, optimizer, args, kwargs) -> None:
+        """The GPU optimizer's gradients, on the compute stream just before its step.
+
+        fp32 masters of lower-precision parameters: megatron-core's conversion. Parameters
+        the GPU optimizer updates in place (natively fp32 ones): ``.grad`` is bound to
+        ``.decoupled_grad`` where the precision-aware optimizer left their gradient there;
+        megatron-core binds nothing, so its torch GPU optimizer skips them.
+        """
+        for param in self._gpu_natives:
+            grad = getattr(param, "decoupled_grad", None)
+            if grad is not None and grad.dtype == param.dtype:
+                param.grad = grad
+        for param, fp32_param in self._gpu_masters:
+            grad = getattr(param, "decoupled_grad", param.grad)
+            if grad is not None:
+                fp32_param.grad = grad.to(fp32_param.dtype)
+                fp32_param.requires_grad = True
+            else:
+                fp32_param.requires_grad = False
+
+    def _copy_gpu_masters_back(self, optimizer, args, kwargs) -> None:
+        for param, fp32_param in self._gpu_masters:
+            param.data.copy_(fp32_param.data)
+
+    def host_mirror_stats(self) -> list[dict]:
+        """:meth:`BufferMirror.stats` of every buffer with offloaded parameters."""
+        return [m.stats() for m in self.host_mirrors]
+
+
+def _one_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise RuntimeError(f"one buffer's offloaded parameters have several dtypes: {dtypes}")
+    return dtypes.pop()
+
+
+def _is_view_of(p: torch.Tensor, base: torch.Tensor, span: Span) -> bool:
+    return (
+        p.dtype == base.dtype
+        and p.device == base.device
+        and p.is_contiguous()
+        and p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        and p.storage_offset() == base.storage_offset() + span.start
+    )
+
+
+def _device_params(source: OffloadSource, layout: MirrorLayout, mine):
+    """Where one buffer's updated parameters go back to: (tensor, coords, built here).
+
+    The inner optimizer's parameters are either views of the DDP parameter buffer
+    (precision-aware shards, fp32 parameters) or separate fp32 main shards of bf16
+    parameters; those are moved into one flat device tensor laid out like the mirror, so
+    each block still goes back with one copy.
+    """
+    views = [_is_view_of(p, source.param_data, s) for p, s in mine]
+    if all(views):
+        return source.param_data, None, None
+    if any(views):
+        raise RuntimeError(
+            f"{source.name}: some offloaded parameters are views of the parameter buffer "
+            "and some are not; host mirrors need one kind per buffer"
+        )
+    flat = torch.zeros(layout.numel, dtype=_one_dtype(p for p, _ in mine), device=mine[0][0].device)
+    for p, s in mine:
+        local = layout.local(s)
+        view = flat[local.start : local.end]
+        view.copy_(p.detach().reshape(-1))
+        p.data = view.view(p.shape)
+    return flat, layout.blocks, flat
+
+
+def offload_sources(child) -> tuple[OffloadSource, ...]:
+    """Per gradient buffer of a distributed optimizer: its shard and inner parameters.
+
+    Needs ``child._flat`` (:func:`megatron_ext.optimizer.enable_flat_norm`): its targets
+    say which ranges this rank owns and whether the optimizer's gradients are views of the
+    grad buffer or of an fp32 mirror of the owned ranges.
+    """
+    decoupled = bool(child.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    mains16 = child.shard_float16_groups if decoupled else child.shard_fp32_from_float16_groups
+    pairs = [
+        *zip(_chain(child.model_float16_groups), _chain(mains16), strict=True),
+        *zip(_chain(child.model_fp32_groups), _chain(child.shard_fp32_groups), strict=True),
+    ]
+    per_buffer: dict[int, dict[torch.Tensor, Span]] = {}
+    for model_param, shard in pairs:
+        if shard is None:
+            raise NotImplementedError(
+                "host mirrors do not support quantized (fp8/fp4) parameters; pass "
+                "host_mirrors=False to megatron_ext.get_megatron_optimizer"
+            )
+        index = child.model_param_gbuf_map[model_param][0]
+        start = child.buffers[index].param_index_map[model_param][0]
+        r = child._get_model_param_range_map(model_param)["param"]
+        per_buffer.setdefault(index, {})[shard] = Span(start + r.start, start + r.end)
+    sources = []
+    for i, (buf, target) in enumerate(zip(child.buffers, child._flat.targets, strict=True)):
+        mirrored = target.mirror is not None
+        sources.append(
+            OffloadSource(
+                name=target.name,
+                owned=target.spans.owned,
+                grads=target.mirror if mirrored else buf.grad_data,
+                grads_coords=target.spans.owned if mirrored else None,
+                param_data=buf.param_data,
+                spans=per_buffer.get(i, {}),
+            )
+        )
+    return tuple(sources)
+
+
+def _chain(groups):
+    return [p for g in groups for p in g]
+
+
+def attach_host_mirrors(child) -> bool:
+    """Give a distributed optimizer's ``HybridDeviceOptimizer`` flat host mirrors.
+
+    Args:
+        child: one optimizer of the chain, after ``enable_flat_norm`` built its targets.
+
+    Attached at every offload fraction: at fraction 0 there is no mirror, but natively
+    fp32 parameters on the GPU still need :meth:`HostMirrorHybridOptimizer._set_gpu_grads`.
+
+    Returns:
+        True when it did; False when ``child`` is not a distributed optimizer over a
+        ``HybridDeviceOptimizer``.
+    """
+    hdo = getattr(child, "optimizer", None)
+    if not (
+        isinstance(child, DistributedOptimizer)
+        and isinstance(hdo, HybridDeviceOptimizer)
+        and not getattr(child, "is_stub_optimizer", False)
+    ):
+        return False
+    if hdo.state:
+        raise RuntimeError(
+            "host mirrors must be attached before the first optimizer step (the optimizer "
+            "already has state); build it with megatron_ext.get_megatron_optimizer"
+        )
+    hdo.__class__ = HostMirrorHybridOptimizer
+    hdo._offload_sources = offload_sources(child)
+    # Keep megatron-core's placement and CPU copies (no second copy of every parameter);
+    # rebuild the (stateless) sub-optimizers so that our hooks replace the per-parameter ones.
+    hdo._reused_placement = (
+        hdo.cpu_param_groups,
+        hdo.gpu_param_groups,
+        hdo.gpu_params_map_cpu_copy,
+        hdo.cpu_copys_map_gpu_param,
+        hdo.param_to_fp32_param,
+    )
+    hdo._init_sub_optimizers()
+    return True
