@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The README's main-job command: set up the environment, train the demo model with
+# FlatGradBuffers, then run the norm/clip and memory benchmarks (CPU sizes without a GPU)
+# and print their tables. Output files go to bench-out/ (override with OUT=...).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$root/scripts/setup_env.sh"
+cd "$root"
+out=${OUT:-bench-out}
+# megatron-core warns at import that TE and Apex are missing; we know (see README).
+export PYTHONWARNINGS="ignore:Transformer Engine and Apex,ignore:absl.logging is not installed"
+echo "== demo: a mixed bf16/fp32 model trained with FlatGradBuffers"
+"$PY" -m buffers.demo "$@"
+echo
+echo "== benchmark: norm and clip, side by side (tables below; JSON and PNG in $out/)"
+"$PY" benchmarks/norm_clip.py --out "$out"
+echo
+echo "== benchmark: gradient-buffer memory per rank"
+"$PY" benchmarks/memory.py --out "$out"
