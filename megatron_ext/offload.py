@@ -16,8 +16,14 @@ optimizer's shard of each buffer is a few contiguous ranges, so here, per buffer
 - after a block's last CPU update, one conversion per block packs the parameters into the
   same staging bytes and one host-to-device copy per block sends them back.
 
-Everything is built once; a step allocates nothing. Layout and schedule are plain data
+Everything is built once: the offloaded part of a step allocates nothing, on either side
+(GPU-resident parameters keep megatron-core's handling). Layout and schedule are plain data
 (:class:`MirrorLayout`, :class:`CopySchedule`), computable and testable on the CPU.
+
+Pinned memory per buffer: the blocks' elements times the wider of the gradient and the
+device-parameter dtype, i.e. at most this rank's shard of the buffer (the owned ranges less
+any padding at their ends). Host (pageable) memory: the CPU parameters, and an fp32 copy of
+the gradients where they arrive in a narrower dtype.
 """
 
 from __future__ import annotations
@@ -501,6 +507,24 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     def _copy_gpu_masters_back(self, optimizer, args, kwargs) -> None:
         for param, fp32_param in self._gpu_masters:
             param.data.copy_(fp32_param.data)
+
+    def _update_fp32_params_by_new_state(self):
+        """Loaded master weights into the inner parameters, natively fp32 ones included.
+
+        megatron-core's version looks every parameter up in ``param_to_fp32_param``, which
+        has no entry for a natively fp32 parameter (KeyError when loading a checkpoint);
+        its inner parameter is its CPU copy, or the parameter itself on the GPU.
+        """
+        if not self.param_update_in_fp32:
+            return
+        for param, state in self.state.items():
+            self.param_to_inner_param[param].data.copy_(state["master_param"])
+
+    def update_fp32_param_by_new_param(self):
+        """Refresh every inner copy from its parameter (megatron-core skips fp32 ones)."""
+        for param, inner in self.param_to_inner_param.items():
+            if inner is not param:
+                inner.data.copy_(param)
 
     def host_mirror_stats(self) -> list[dict]:
         """:meth:`BufferMirror.stats` of every buffer with offloaded parameters."""

@@ -1,0 +1,431 @@
+"""CPU-offload copies per step: megatron-core's per-parameter path against flat host mirrors.
+
+Run: ``python benchmarks/offload.py --device {cpu,cuda} --out DIR [--bytes N] [--dp N]
+[--fraction F] [--bucket-numel N]``.
+
+Inventories: a dense GPT-like stage (bf16 weights and biases, fp32 layernorms) and a
+DeepSeek-like MoE stage (hundreds of expert parameters, fp32 routers, hyper-connection
+weights and sinks), widths scaled so that their gradients hold about ``--bytes``. Each is
+laid out by megatron-core's own ``DistributedOptimizer.compute_full_param_layout`` (meta
+tensors) for ``--dp`` data-parallel ranks; rank 0's shard is what it offloads. Placement is
+megatron-core's greedy rule (fp32 shards first, then bf16 ones, while below
+``--fraction`` of the elements). The case is the precision-aware one: bf16 gradients and
+parameters in the device buffers, fp32 parameters and gradients on the host.
+
+Variants, same shard, same run:
+
+- ``per_param``: what ``HybridDeviceOptimizer`` does: per offloaded parameter, one
+  device-to-host copy into its own pinned fp32 gradient (bf16 is converted on the device,
+  into a temporary, so fp32 bytes cross), and one host-to-device copy from its fp32 host
+  parameter (pageable for bf16 parameters, converted on the device after the copy).
+- ``flat``: :mod:`megatron_ext.offload`'s mirrors: one device-to-host copy per block, in
+  the gradient's dtype, into one pinned staging tensor per buffer; one host pass per block
+  converts to fp32 (``convert``); after the CPU step one host pass per block packs the
+  parameters back to bf16 (``pack``) and one host-to-device copy per block sends them.
+
+Measured per step (median): device-to-host time (CUDA events), bytes moved and achieved
+bytes per second, against a pinned-copy ceiling (one pinned device-to-host copy of the flat
+variant's bytes, measured in the same run); host conversion; the CPU optimizer step
+(``torch.optim.AdamW(fused=True)``, megatron-core's CPU optimizer); pack; host-to-device
+time. On the CPU there is no device and no pinned memory: host-to-host copies stand in for
+both directions and the ceiling is a host memcpy; the output says so.
+
+Writes DIR/offload.json (one record per inventory and variant, fields :data:`RECORD_FIELDS`)
+and DIR/offload.png.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, find the repo
+
+import torch
+
+from benchmarks import common, inventories, memory
+from benchmarks.inventories import Inventory
+from buffers.plan import Span, dp_shard_spans, intersect_spans, merge_spans
+from megatron_ext import offload
+
+NAME = "offload"
+VARIANTS = ("per_param", "flat")
+RECORD_FIELDS = (
+    "inventory", "variant", "device", "time_kind", "note", "dp", "fraction", "num_params",
+    "offloaded_params", "owned_bytes", "d2h_copies", "d2h_bytes", "d2h_s", "d2h_Bps",
+    "ceiling_Bps", "ceiling_ratio", "convert_s", "cpu_step_s", "pack_s", "h2d_copies",
+    "h2d_bytes", "h2d_s", "h2d_Bps", "h2d_ceiling_Bps", "pinned_bytes", "host_bytes",
+    "error", "error_at",
+)  # fmt: skip
+AUTO_BYTES = {"cpu": 4 * 2**20, "cuda": 2**30}
+CPU_NOTE = (
+    "device cpu: host-to-host copies stand in for device-to-host and host-to-device copies "
+    "(no device, no pinned memory); the ceiling is a host memcpy"
+)
+CPU_STEP_REPS = 3  # the CPU optimizer step is slow at real sizes; fewer calls suffice
+HOST_PASS_REPS = 10  # host conversion and pack passes
+TARGET = 0.9  # flat device-to-host copies at >= 90% of the pinned ceiling
+
+
+def parse_args(argv: list[str] | None):
+    """The command line: common options plus sizes, data parallelism and fraction."""
+    ap = common.base_parser(__doc__.splitlines()[0])
+    ap.add_argument(
+        "--bytes", type=int, default=None,
+        help="gradient bytes of each inventory (default: 4 MiB on the CPU, 1 GiB on CUDA)",
+    )  # fmt: skip
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks (rank 0 is shown)")
+    ap.add_argument(
+        "--fraction", type=float, default=1.0, help="optimizer_offload_fraction (default 1)"
+    )
+    ap.add_argument(
+        "--bucket-numel", type=int, default=40_000_000,
+        help="elements per DDP bucket (megatron-core's default for dp <= 40)",
+    )  # fmt: skip
+    args = ap.parse_args(argv)
+    if not 0.0 < args.fraction <= 1.0:
+        ap.error(f"--fraction must be in (0, 1], got {args.fraction}")
+    if args.dp < 1:
+        ap.error(f"--dp must be >= 1, got {args.dp}")
+    return args
+
+
+@dataclass
+class ShardBuffer:
+    """Rank 0's shard of one gradient buffer, with device tensors and its placement."""
+
+    name: str
+    owned: tuple[Span, ...]
+    offloaded: list[Span]  # CPU-updated parameter shards (buffer coordinates)
+    resident: list[Span]
+    grad: torch.Tensor  # the device gradient buffer
+    param: torch.Tensor  # the device parameter buffer
+
+    @property
+    def owned_bytes(self) -> int:
+        return sum(s.numel for s in self.owned) * self.grad.element_size()
+
+
+def build_inventories(args, device: torch.device) -> list[Inventory]:
+    """The two model inventories, scaled to about ``--bytes`` of gradients each."""
+    target = args.bytes or AUTO_BYTES[device.type]
+    builders = {
+        "dense_gpt": lambda s: inventories.dense_stage("dense_gpt", inventories.GPT_STAGE, s),
+        "deepseek_moe": lambda s: inventories.moe_stage(
+            "deepseek_moe", inventories.DEEPSEEK_STAGE, s
+        ),
+    }
+    return [build(inventories.fit_scale(build, target)) for build in builders.values()]
+
+
+def shard_buffers(inv: Inventory, args, device: torch.device) -> list[ShardBuffer]:
+    """megatron-core's distributed-optimizer layout of ``inv``; rank 0's shard, placed."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    params = memory.meta_params(inv)
+    layout = DistributedOptimizer.compute_full_param_layout(
+        params, args.bucket_numel, args.dp,
+        DistributedDataParallelConfig(use_distributed_optimizer=True),
+        expert_data_parallel_world_size=args.dp,
+    )  # fmt: skip
+    shards = []  # (buffer index, dtype, span) in megatron-core's placement order
+    buffers = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for key, per in layout.layouts.items():
+        numel = per.bucket_indices[-1][1]
+        buckets = [Span(s, e) for s, e in per.bucket_indices]
+        owned = merge_spans(dp_shard_spans(buckets, args.dp, 0))
+        grad = torch.empty(numel, dtype=key.grad_dtype, device=device)
+        param = torch.empty(numel, dtype=key.param_dtype, device=device)
+        grad.normal_(generator=gen)
+        param.normal_(generator=gen)
+        name = f"{key.grad_dtype} grads".replace("torch.", "")
+        buffers.append(ShardBuffer(name, owned, [], [], grad, param))
+        for start, end, _ in per.param_index_map.values():
+            for piece in intersect_spans([Span(start, end)], owned):
+                shards.append((len(buffers) - 1, key.param_dtype, piece))
+    # megatron-core's HybridDeviceOptimizer: greedy, in the distributed optimizer's group
+    # order (fp32 shards, then the others), until the fraction of elements is reached
+    shards.sort(key=lambda s: s[1] != torch.float32)
+    total, done = sum(s[2].numel for s in shards), 0
+    for index, _, span in shards:
+        on_cpu = done < total * args.fraction
+        done += span.numel if on_cpu else 0
+        (buffers[index].offloaded if on_cpu else buffers[index].resident).append(span)
+    return [b for b in buffers if b.offloaded]
+
+
+class PerParam:
+    """megatron-core's per-parameter copies (``HybridDeviceOptimizer``), reproduced."""
+
+    def __init__(self, buffers: list[ShardBuffer], pin: bool):
+        self.d2h, self.h2d, self.cpu_params = [], [], []
+        for buf in buffers:
+            for s in buf.offloaded:
+                cpu = buf.param[s.start : s.end].detach().clone().cpu()
+                if pin:
+                    cpu = cpu.pin_memory()
+                cpu = cpu.float()  # megatron-core's fp32 copy (pageable for bf16 params)
+                cpu.grad = torch.empty(s.numel, dtype=cpu.dtype, pin_memory=pin)
+                self.d2h.append((cpu.grad, buf.grad[s.start : s.end]))
+                self.h2d.append((buf.param[s.start : s.end], cpu))
+                self.cpu_params.append(cpu)
+        host = [g for g, _ in self.d2h] + self.cpu_params
+        self.pinned_bytes = sum(t.nbytes for t in host if t.is_pinned())
+        self.host_bytes = sum(p.nbytes for p in self.cpu_params) + sum(
+            g.nbytes for g, _ in self.d2h
+        )
+        # bf16 is converted on the device before the copy: the destination's bytes cross
+        self.d2h_bytes = sum(dst.nbytes for dst, _ in self.d2h)
+        self.h2d_bytes = sum(src.nbytes for _, src in self.h2d)
+
+    def start_d2h(self) -> None:
+        for dst, src in self.d2h:
+            dst.copy_(src, non_blocking=True)
+
+    def start_h2d(self) -> None:
+        for dst, src in self.h2d:
+            dst.copy_(src, non_blocking=True)
+
+    convert = pack = None
+
+
+class Flat:
+    """:mod:`megatron_ext.offload`'s host mirrors: one staging tensor per buffer."""
+
+    def __init__(self, buffers: list[ShardBuffer], pin: bool):
+        self.mirrors, self.cpu_params = [], []
+        for buf in buffers:
+            layout = offload.mirror_layout(buf.owned, buf.offloaded, buf.resident)
+            m = offload.build_buffer_mirror(
+                buf.name, layout, owned_numel=sum(s.numel for s in buf.owned), grads=buf.grad,
+                grads_coords=None, params=buf.param, params_coords=None,
+                cpu_dtype=torch.float32, pin=pin,
+            )  # fmt: skip
+            m.load_params()
+            for s in buf.offloaded:
+                data, grad = m.cpu_views(s)
+                data.grad = grad
+                self.cpu_params.append(data)
+            self.mirrors.append(m)
+        self.blocks = [b for m in self.mirrors for b in m.blocks]
+        stats = [m.stats() for m in self.mirrors]
+        self.pinned_bytes = sum(s["staging_bytes"] for s in stats) if pin else 0
+        self.host_bytes = sum(
+            s["staging_bytes"] + s["host_param_bytes"] + s["host_grad_bytes"] for s in stats
+        )
+        self.d2h_bytes = sum(s["d2h_bytes"] for s in stats)
+        self.h2d_bytes = sum(s["h2d_bytes"] for s in stats)
+        self.d2h = self.h2d = self.blocks
+
+    def start_d2h(self) -> None:
+        for block in self.blocks:
+            block.start_d2h()
+
+    def convert(self) -> None:
+        for block in self.blocks:
+            block.convert_grads()
+
+    def pack(self) -> None:
+        for block in self.blocks:
+            block.pack_params()
+
+    def start_h2d(self) -> None:
+        for block in self.blocks:
+            block.start_h2d()
+
+
+def pinned_ceiling(nbytes: int, device: torch.device, warmup: int, reps: int) -> tuple:
+    """Bytes per second of one pinned copy of ``nbytes``: (device-to-host, host-to-device).
+
+    On the CPU: an ordinary host memcpy, both ways (the stand-in).
+    """
+    pin = device.type == "cuda"
+    dev = torch.ones(max(nbytes, 1), dtype=torch.uint8, device=device)
+    host = torch.empty(dev.numel(), dtype=torch.uint8, pin_memory=pin)
+    d2h = common.device_time(lambda: host.copy_(dev, non_blocking=True), device, warmup, reps)
+    h2d = common.device_time(lambda: dev.copy_(host, non_blocking=True), device, warmup, reps)
+    return dev.numel() / d2h, dev.numel() / h2d
+
+
+def measure(variant, buffers, device, warmup: int, reps: int) -> dict:
+    """Copy and step times of one variant over one inventory's shard."""
+    pin = device.type == "cuda"
+    v = (PerParam if variant == "per_param" else Flat)(buffers, pin)
+    opt = torch.optim.AdamW(v.cpu_params, lr=1e-4, weight_decay=0.01, fused=True)
+    out = {
+        "offloaded_params": len(v.cpu_params),
+        "d2h_copies": len(v.d2h),
+        "h2d_copies": len(v.h2d),
+        "d2h_bytes": v.d2h_bytes,
+        "h2d_bytes": v.h2d_bytes,
+        "pinned_bytes": v.pinned_bytes,
+        "host_bytes": v.host_bytes,
+        "d2h_s": common.device_time(v.start_d2h, device, warmup, reps),
+        "h2d_s": common.device_time(v.start_h2d, device, warmup, reps),
+        "cpu_step_s": common.host_time(opt.step, device, min(reps, CPU_STEP_REPS)),
+    }
+    for key, fn in (("convert_s", v.convert), ("pack_s", v.pack)):
+        out[key] = None if fn is None else common.host_time(fn, device, min(reps, HOST_PASS_REPS))
+    out["d2h_Bps"] = out["d2h_bytes"] / out["d2h_s"]
+    out["h2d_Bps"] = out["h2d_bytes"] / out["h2d_s"]
+    return out
+
+
+def run(args, device: torch.device) -> list[dict]:
+    """Both variants on both inventories, with the ceilings measured for each."""
+    warmup, reps = common.repeats(args, device)
+    invs = build_inventories(args, device)
+    print(inventories.describe(invs), file=sys.stderr)
+    records = []
+    bar = common.progress([(inv, v) for inv in invs for v in VARIANTS], NAME)
+    ceilings: dict[str, tuple] = {}
+    shards: dict[str, list[ShardBuffer]] = {}
+    for inv, variant in bar:
+        bar.set_postfix_str(f"{inv.name} {variant}")
+        rec = dict.fromkeys(RECORD_FIELDS) | {
+            "inventory": inv.name,
+            "variant": variant,
+            "device": device.type,
+            "time_kind": "cuda_events" if device.type == "cuda" else "perf_counter",
+            "note": CPU_NOTE if device.type == "cpu" else "pinned device-to-host ceiling",
+            "dp": args.dp,
+            "fraction": args.fraction,
+            "num_params": inv.num_params,
+        }
+        try:
+            if inv.name not in shards:
+                shards.clear()
+                release(device)
+                shards[inv.name] = shard_buffers(inv, args, device)
+            buffers = shards[inv.name]
+            rec["owned_bytes"] = sum(b.owned_bytes for b in buffers)
+            rec |= measure(variant, buffers, device, warmup, reps)
+            if inv.name not in ceilings:
+                flat_bytes = sum(
+                    offload.mirror_layout(b.owned, b.offloaded, b.resident).numel
+                    * b.grad.element_size()
+                    for b in buffers
+                )
+                ceilings[inv.name] = pinned_ceiling(flat_bytes, device, warmup, reps)
+            rec["ceiling_Bps"], rec["h2d_ceiling_Bps"] = ceilings[inv.name]
+            rec["ceiling_ratio"] = rec["d2h_Bps"] / rec["ceiling_Bps"]
+        except Exception as exc:  # a failed measurement still gets its row
+            rec |= common.error_fields(exc)
+        records.append(rec)
+        release(device)
+    return records
+
+
+def release(device: torch.device) -> None:
+    """Free the previous measurement's host and device tensors."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def plot(records: list[dict], out_dir: Path) -> Path:
+    """Achieved device-to-host bytes per second against the ceiling; per-step time parts."""
+    fig, (ax_bw, ax_time) = common.new_figure(2)
+    ok = [r for r in records if r["error"] is None]
+    invs = list(dict.fromkeys(r["inventory"] for r in ok))
+    width = 0.8 / len(VARIANTS)
+    for j, variant in enumerate(VARIANTS):
+        rows = {r["inventory"]: r for r in ok if r["variant"] == variant}
+        xs = [i + j * width for i, inv in enumerate(invs) if inv in rows]
+        ax_bw.bar(xs, [rows[i]["d2h_Bps"] / 1e9 for i in invs if i in rows], width, label=variant)
+    for i, inv in enumerate(invs):
+        ceiling = next(r["ceiling_Bps"] for r in ok if r["inventory"] == inv) / 1e9
+        ax_bw.hlines(
+            ceiling, i - width / 2, i + width * 1.5, colors="k", label="ceiling" * (i == 0)
+        )
+        ax_bw.hlines(TARGET * ceiling, i - width / 2, i + width * 1.5, colors="k", linestyles=":")
+    ax_bw.set_xticks([i + width / 2 for i in range(len(invs))], invs)
+    ax_bw.set_ylabel("GB/s")
+    ax_bw.set_title("device-to-host gradient copies (dotted: 90% of ceiling)")
+    ax_bw.legend(fontsize=8)
+    parts = ("d2h_s", "convert_s", "cpu_step_s", "pack_s", "h2d_s")
+    labels = [f"{r['inventory']}\n{r['variant']}" for r in ok]
+    bottom = [0.0] * len(ok)
+    for k, part in enumerate(parts):
+        heights = [(r[part] or 0.0) * 1e3 for r in ok]
+        ax_time.bar(range(len(ok)), heights, bottom=bottom, label=part[:-2], color=f"C{k}")
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax_time.set_xticks(range(len(ok)), labels, fontsize=7)
+    ax_time.set_ylabel("ms per step (parts run one after another here)")
+    ax_time.set_title("per-step time by part")
+    ax_time.legend(fontsize=8)
+    return common.save_figure(fig, out_dir, NAME)
+
+
+def _ms(v: float) -> str:
+    return f"{v * 1e3:.3f}"
+
+
+def _gbps(v: float) -> str:
+    return f"{v / 1e9:.2f}"
+
+
+def _mib(v: float) -> str:
+    return f"{v / 2**20:.1f}"
+
+
+TABLE = (
+    common.Column("inventory", "inventory"),
+    common.Column("variant", "variant"),
+    common.Column("params", "offloaded_params"),
+    common.Column("D2H copies", "d2h_copies"),
+    common.Column("D2H MiB", "d2h_bytes", _mib),
+    common.Column("D2H ms", "d2h_s", _ms),
+    common.Column("GB/s", "d2h_Bps", _gbps),
+    common.Column("ceiling GB/s", "ceiling_Bps", _gbps),
+    common.Column("% ceiling", "ceiling_ratio", lambda v: f"{100 * v:.0f}"),
+    common.Column("convert ms", "convert_s", _ms),
+    common.Column("CPU step ms", "cpu_step_s", _ms),
+    common.Column("pack ms", "pack_s", _ms),
+    common.Column("H2D copies", "h2d_copies"),
+    common.Column("H2D ms", "h2d_s", _ms),
+    common.Column("pinned MiB", "pinned_bytes", _mib),
+    common.Column("owned MiB", "owned_bytes", _mib),
+    common.Column("error", "error", lambda v: v.splitlines()[0][:48]),
+)
+
+
+def summary(records: list[dict]) -> list[str]:
+    """One line per inventory: the flat variant against the ceiling and the target."""
+    lines = []
+    for r in records:
+        if r["variant"] != "flat" or r["error"] is not None:
+            continue
+        verdict = "met" if r["ceiling_ratio"] >= TARGET else "NOT met"
+        lines.append(
+            f"{r['inventory']}: flat mirrors copy gradients device-to-host at "
+            f"{r['d2h_Bps'] / 1e9:.2f} GB/s, {100 * r['ceiling_ratio']:.0f}% of the pinned "
+            f"ceiling {r['ceiling_Bps'] / 1e9:.2f} GB/s measured in this run (target "
+            f"{100 * TARGET:.0f}%: {verdict}); pinned {r['pinned_bytes']} B for "
+            f"{r['owned_bytes']} owned gradient B"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the benchmark, write JSON and PNG, print the table last; returns the records."""
+    args = parse_args(argv)
+    device = common.resolve_device(args.device)
+    records = run(args, device)
+    json_path = common.write_json(records, args.out, NAME)
+    png_path = plot(records, args.out)
+    print(f"wrote {json_path} and {png_path}", file=sys.stderr)
+    if device.type == "cpu":
+        print(CPU_NOTE)
+    for line in summary(records):
+        print(line)
+    print(common.format_table(records, TABLE))
+    return records
+
+
+if __name__ == "__main__":
+    main()

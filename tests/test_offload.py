@@ -1,0 +1,734 @@
+"""Host mirrors for CPU offload, on the CPU: layout, schedule, copies, bytes, and the step.
+
+Pinned memory and megatron-core's DDP need CUDA (``tests/gpu/test_offload_gpu.py``). Here
+the "device" is the CPU: the layout and schedule are pure data, the mirrors are built
+unpinned, and megatron-core's own ``HybridDeviceOptimizer`` runs with its CUDA streams and
+events replaced by no-ops over hand-made shard parameters, against its stock per-parameter
+path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+from buffers.plan import Span, dp_shard_spans, intersect_spans, merge_spans
+from megatron_ext import offload
+from megatron_ext.offload import (
+    HostMirrorHybridOptimizer,
+    MirrorLayout,
+    OffloadSource,
+    build_buffer_mirror,
+    copy_schedule,
+    mirror_layout,
+    offload_blocks,
+    subtract_spans,
+)
+from megatron_ext.spans import to_local
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------------------------------
+# Layout
+
+
+def S(a, b):
+    return Span(a, b)
+
+
+def test_subtract_spans():
+    assert subtract_spans([S(0, 100)], [S(10, 20), S(50, 60)]) == (S(0, 10), S(20, 50), S(60, 100))
+    assert subtract_spans([S(0, 10), S(20, 30)], [S(5, 25)]) == (S(0, 5), S(25, 30))
+    assert subtract_spans([S(0, 10)], []) == (S(0, 10),)
+    assert subtract_spans([S(0, 10)], [S(0, 10)]) == ()
+
+
+def test_all_offloaded_gives_one_block_per_owned_range():
+    # params at 64-aligned starts with padding between; two owned ranges (two buckets)
+    owned = [S(0, 256), S(512, 768)]
+    params = [S(0, 40), S(64, 200), S(512, 600), S(640, 700)]
+    assert offload_blocks(owned, params, []) == (S(0, 200), S(512, 700))
+
+
+def test_resident_params_cut_blocks_and_padding_is_bridged():
+    owned = [S(0, 1024)]
+    offloaded = [S(0, 40), S(64, 100), S(320, 400), S(448, 500)]
+    resident = [S(128, 300)]
+    # [0, 100) bridges the padding 40..64; the resident param splits the rest off
+    assert offload_blocks(owned, offloaded, resident) == (S(0, 100), S(320, 500))
+
+
+def test_blocks_reject_bad_input():
+    with pytest.raises(ValueError, match="outside"):
+        offload_blocks([S(0, 10)], [S(5, 20)], [])
+    with pytest.raises(ValueError, match="both"):
+        offload_blocks([S(0, 100)], [S(0, 50)], [S(40, 60)])
+
+
+@st.composite
+def inventories(draw):
+    """Parameters at 64-aligned starts in one or two buckets; one rank's shards of them."""
+    sizes = draw(st.lists(st.integers(1, 300), min_size=1, max_size=12))
+    dp = draw(st.sampled_from([1, 2, 3, 4]))
+    cut = draw(st.integers(0, len(sizes)))  # parameters before it are in bucket 0
+    spans, buckets, start, bucket_start = [], [], 0, 0
+    for i, n in enumerate([*sizes, None]):
+        if i in (cut, len(sizes)) and start > bucket_start:
+            end = bucket_start + -(-(start - bucket_start) // (dp * 8)) * dp * 8
+            buckets.append(S(bucket_start, end))
+            start = bucket_start = end
+        if n is not None:
+            spans.append(S(start, start + n))
+            start = -(-(start + n) // 64) * 64
+    rank = draw(st.integers(0, dp - 1))
+    owned = merge_spans(dp_shard_spans(buckets, dp, rank))
+    shards = [s for p in spans for s in intersect_spans([p], owned)]
+    on_cpu = draw(st.lists(st.booleans(), min_size=len(shards), max_size=len(shards)))
+    return owned, shards, on_cpu
+
+
+@settings(max_examples=300, deadline=None)
+@given(inventories())
+def test_blocks_cover_offloaded_and_never_resident(inv):
+    owned, shards, on_cpu = inv
+    offloaded = [s for s, c in zip(shards, on_cpu, strict=True) if c]
+    resident = [s for s, c in zip(shards, on_cpu, strict=True) if not c]
+    layout = mirror_layout(owned, offloaded, resident)
+    blocks = layout.blocks
+    assert all(a.end <= b.start for a, b in zip(blocks, blocks[1:], strict=False))
+    assert not intersect_spans(blocks, resident)
+    assert not subtract_spans(blocks, owned)
+    for b in blocks:  # trimmed: a block starts and ends on offloaded elements
+        assert intersect_spans(offloaded, [S(b.start, b.start + 1)])
+        assert intersect_spans(offloaded, [S(b.end - 1, b.end)])
+    for s in offloaded:
+        b = layout.block_of(s)
+        assert blocks[b].start <= s.start and s.end <= blocks[b].end
+        local = layout.local(s)
+        assert local.numel == s.numel and local.start >= 0 and local.end <= layout.numel
+    assert layout.numel <= sum(o.numel for o in owned)
+    if not resident:  # everything offloaded: one block per owned range that holds any
+        hulls = []
+        for o in owned:
+            inside = intersect_spans(offloaded, [o])
+            if inside:
+                hulls.append(S(inside[0].start, inside[-1].end))
+        assert blocks == merge_spans(hulls)
+
+
+def test_layout_offsets_local_and_bytes():
+    layout = MirrorLayout((S(0, 100), S(320, 500)))
+    assert layout.numel == 280 and layout.offsets == (0, 100)
+    assert layout.local(S(330, 340)) == S(110, 120)
+    assert layout.block_of(S(400, 500)) == 1
+    with pytest.raises(ValueError, match="no block"):
+        layout.block_of(S(90, 110))
+    assert layout.staging_nbytes(torch.bfloat16, torch.bfloat16) == 560
+    # fp32 gradients of bf16 parameters: the block holds the wider of the two
+    assert layout.staging_nbytes(torch.float32, torch.bfloat16) == 1120
+
+
+# ---------------------------------------------------------------------------------------
+# Schedule
+
+
+def test_schedule_one_optimizer_reads_everything():
+    sched = copy_schedule([[2, 0, 1]], 3)
+    assert sched.d2h_order == (0, 1, 2)
+    assert sched.wait_for == (2,)
+    assert sched.convert_before == ((0, 1, 2),)
+    assert sched.copy_back_after == ((0, 1, 2),)
+
+
+def test_schedule_per_parameter_optimizers_out_of_block_order():
+    # four optimizers (one parameter each) reading blocks 1, 0, 1, 2
+    sched = copy_schedule([[1], [0], [1], [2]], 3)
+    assert sched.d2h_order == (1, 0, 2)  # by first reader
+    assert sched.wait_for == (1, 0, 1, 2)
+    assert sched.convert_before == ((1,), (0,), (), (2,))
+    assert sched.copy_back_after == ((), (0,), (1,), (2,))
+
+
+def test_schedule_rejects_unread_blocks_and_empty_optimizers():
+    with pytest.raises(ValueError, match="read by no"):
+        copy_schedule([[0]], 2)
+    with pytest.raises(ValueError, match="reads no block"):
+        copy_schedule([[0], []], 1)
+
+
+# ---------------------------------------------------------------------------------------
+# Mirrors: copies and bytes
+
+
+@pytest.mark.parametrize(
+    "grad_dtype,param_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),  # precision-aware, bf16 grads: converted on the host
+        (torch.float32, torch.bfloat16),  # grads in fp32: CPU grads are staging views
+        (torch.float32, torch.float32),  # fp32 parameters
+    ],
+)
+def test_mirror_copies_move_whole_blocks(grad_dtype, param_dtype):
+    gen = torch.Generator().manual_seed(0)
+    numel = 1024
+    owned = (S(0, 1024),)
+    offloaded = [S(0, 40), S(64, 100), S(320, 400), S(448, 500)]
+    resident = [S(128, 300)]
+    layout = mirror_layout(owned, offloaded, resident)
+    grads = torch.randn(numel, generator=gen).to(grad_dtype)
+    params = torch.randn(numel, generator=gen).to(param_dtype)
+    before = params.clone()
+    m = build_buffer_mirror(
+        "test", layout, owned_numel=1024, grads=grads, grads_coords=None, params=params,
+        params_coords=None, cpu_dtype=torch.float32, pin=False,
+    )  # fmt: skip
+    stats = m.stats()
+    assert stats["blocks"] == 2
+    assert stats["staging_bytes"] == layout.staging_nbytes(grad_dtype, param_dtype)
+    assert stats["staging_bytes"] <= stats["owned_bytes"]
+    assert stats["d2h_bytes"] == layout.numel * grads.element_size()
+    assert (stats["host_grad_bytes"] == 0) == (grad_dtype == torch.float32)
+    m.load_params()
+    for block in m.blocks:
+        block.start_d2h()
+    for block in m.blocks:
+        block.convert_grads()
+    for s in offloaded:
+        p, g = m.cpu_views(s)
+        assert torch.equal(g, grads[s.start : s.end].float())
+        assert torch.equal(p, params[s.start : s.end].float())
+        p.add_(1.0)  # "the CPU step"
+    # pack the first block back: the second block's gradients must survive in staging
+    m.blocks[0].pack_params()
+    m.blocks[0].start_h2d()
+    for s in offloaded[2:]:
+        assert torch.equal(m.cpu_views(s)[1], grads[s.start : s.end].float())
+    m.blocks[1].pack_params()
+    m.blocks[1].start_h2d()
+    for s in offloaded:
+        assert torch.equal(
+            params[s.start : s.end], (before[s.start : s.end].float() + 1).to(param_dtype)
+        )
+    untouched = subtract_spans(owned, layout.blocks)
+    for s in untouched:
+        assert torch.equal(params[s.start : s.end], before[s.start : s.end])
+
+
+def test_mirror_reads_from_a_local_fp32_mirror_and_writes_to_a_local_device_flat():
+    # non-precision-aware: gradients are an fp32 mirror of the owned ranges (end to end),
+    # parameters go back into a flat of fp32 main shards laid out like the host mirror
+    owned = (S(0, 256), S(512, 768))
+    offloaded = [S(0, 40), S(64, 200), S(512, 600)]
+    resident = [S(640, 700)]
+    layout = mirror_layout(owned, offloaded, resident)
+    mirror = torch.arange(512, dtype=torch.float32)
+    device_flat = torch.zeros(layout.numel)
+    m = build_buffer_mirror(
+        "local", layout, owned_numel=512, grads=mirror, grads_coords=owned, params=device_flat,
+        params_coords=layout.blocks, cpu_dtype=torch.float32, pin=False,
+    )  # fmt: skip
+    for block in m.blocks:
+        block.start_d2h()
+    for s in offloaded:
+        (local,) = to_local([s], owned)
+        assert torch.equal(m.cpu_views(s)[1], mirror[local.start : local.end])
+        m.cpu_views(s)[0].fill_(s.start)
+    for block in m.blocks:
+        block.pack_params()
+        block.start_h2d()
+    for s in offloaded:
+        local = layout.local(s)
+        assert torch.all(device_flat[local.start : local.end] == s.start)
+
+
+# ---------------------------------------------------------------------------------------
+# megatron-core's HybridDeviceOptimizer with host mirrors against its per-parameter path
+
+
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self):
+        return _Event()
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+
+@pytest.fixture
+def cpu_streams(monkeypatch):
+    """megatron-core's CUDA streams and events as no-ops (every copy here is synchronous)."""
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: stream)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+
+ALIGN = 64
+SHAPES = {"w1": (24, 16), "b1": (24,), "w2": (16, 24), "b2": (16,), "ln": (16,)}
+FP32_SHAPES = {"sink": (16,), "router": (4, 16)}
+
+
+class _Buffer:
+    """A flat parameter buffer and its gradient buffer, parameters as views (like DDP's)."""
+
+    def __init__(self, shapes, param_dtype, grad_dtype, dp, rank):
+        self.spans, start = {}, 0
+        for name, shape in shapes.items():
+            n = torch.Size(shape).numel()
+            self.spans[name] = S(start, start + n)
+            start = -(-(start + n) // ALIGN) * ALIGN
+        numel = -(-start // (dp * 8)) * dp * 8
+        self.param_data = torch.zeros(numel, dtype=param_dtype)
+        self.grad_data = torch.zeros(numel, dtype=grad_dtype)
+        self.owned = merge_spans(dp_shard_spans([S(0, numel)], dp, rank))
+        gen = torch.Generator().manual_seed(7)
+        for s in self.spans.values():
+            self.param_data[s.start : s.end] = torch.randn(s.numel, generator=gen)
+        # this rank's shard of each parameter
+        self.shards = {
+            name: piece
+            for name, s in self.spans.items()
+            for piece in intersect_spans([s], self.owned)
+        }
+
+
+def _sim(pa, fp32_first, grads_fp32, dp, rank):
+    """Two buffers, shard parameters and their gradient bindings, as megatron-core has them."""
+    bf16 = _Buffer(
+        SHAPES, torch.bfloat16, torch.float32 if grads_fp32 else torch.bfloat16, dp, rank
+    )
+    fp32 = _Buffer(FP32_SHAPES, torch.float32, torch.float32, dp, rank)
+    mirror = None
+    if pa:
+        shard16 = {n: bf16.param_data[s.start : s.end] for n, s in bf16.shards.items()}
+    else:
+        # fp32 main shards (separate tensors) whose .grad is an fp32 mirror of the shard
+        shard16 = {n: bf16.param_data[s.start : s.end].float() for n, s in bf16.shards.items()}
+        mirror = torch.zeros(sum(o.numel for o in bf16.owned))
+    shard32 = {n: fp32.param_data[s.start : s.end] for n, s in fp32.shards.items()}
+    # megatron-core's groups: weight decay for 2-D params only; fp32 shards first in each
+    # (the other order gives the greedy placement at fraction 0.5 other parameters)
+    first, second = (shard32, shard16) if fp32_first else (shard16, shard32)
+    groups = []
+    for decay in (True, False):
+        params = [
+            p
+            for shards in (first, second)
+            for name, p in shards.items()
+            if (len((SHAPES | FP32_SHAPES)[name]) > 1) == decay
+        ]
+        groups.append({"params": params, "weight_decay": 0.1 if decay else 0.0})
+    sources = (
+        OffloadSource(
+            "bf16", bf16.owned, mirror if mirror is not None else bf16.grad_data,
+            bf16.owned if mirror is not None else None, bf16.param_data,
+            {shard16[n]: bf16.shards[n] for n in shard16},
+        ),
+        OffloadSource(
+            "fp32", fp32.owned, fp32.grad_data, None, fp32.param_data,
+            {shard32[n]: fp32.shards[n] for n in shard32},
+        ),
+    )  # fmt: skip
+
+    def bind_grads():
+        if mirror is not None:
+            for dst, src in zip(
+                torch.split(mirror, [o.numel for o in bf16.owned]),
+                [bf16.grad_data[o.start : o.end] for o in bf16.owned],
+                strict=True,
+            ):
+                dst.copy_(src)
+        for n, p in shard16.items():
+            s = bf16.shards[n]
+            if pa:
+                p.decoupled_grad = bf16.grad_data[s.start : s.end]
+            else:
+                (local,) = to_local([s], bf16.owned)
+                p.grad = mirror[local.start : local.end]
+        for n, p in shard32.items():
+            s = fp32.shards[n]
+            view = fp32.grad_data[s.start : s.end]
+            if pa:
+                p.decoupled_grad = view
+            else:
+                p.grad = view
+
+    return bf16, fp32, groups, sources, bind_grads, shard16
+
+
+def _placement(groups, fraction):
+    """megatron-core's ``_get_sub_optimizer_param_groups``, every parameter "on the GPU"."""
+    total = sum(p.numel() for g in groups for p in g["params"])
+    done = 0
+    cpu_groups, gpu_groups, to_cpu, to_gpu, fp32 = [], [], {}, {}, {}
+    for group in groups:
+        cg, gg = {**group, "params": []}, {**group, "params": []}
+        for orig in group["params"]:
+            param, moved = orig, False
+            if done < total * fraction:
+                param, moved = orig.detach().clone(), True
+                done += param.numel()
+            if param.dtype != torch.float32:
+                param = param.detach().clone().float()
+                fp32[orig] = param
+            if moved:
+                to_cpu[orig], to_gpu[param] = param, orig
+            (cg if moved else gg)["params"].append(param)
+        cpu_groups += [cg] if cg["params"] else []
+        gpu_groups += [gg] if gg["params"] else []
+    return cpu_groups, gpu_groups, to_cpu, to_gpu, fp32
+
+
+class _StockPlaced(HybridDeviceOptimizer):
+    """megatron-core's optimizer, unchanged but for the placement above."""
+
+    def _get_sub_optimizer_param_groups(self, offload_fraction):
+        return _placement(self.param_groups, offload_fraction)
+
+
+class _StockPlacedFp32Fixed(_StockPlaced):
+    """The per-parameter reference: megatron-core's path, plus the one fix host mirrors make.
+
+    With precision-aware gradients (``.decoupled_grad``), megatron-core gives a natively
+    fp32 parameter that stays on the GPU no ``.grad``, so its torch GPU optimizer skips it;
+    host mirrors bind ``.grad = .decoupled_grad`` (:func:`bind_native_grads`).
+    """
+
+    def _set_sub_optimizer_grads(self):
+        bind_native_grads(self)
+        super()._set_sub_optimizer_grads()
+
+
+def bind_native_grads(hdo):
+    for g in hdo.gpu_param_groups:
+        for p in g["params"]:
+            grad = getattr(p, "decoupled_grad", None)
+            if p not in hdo.fp32_param_to_orig_param and grad is not None:
+                p.grad = grad
+
+
+class _MirrorPlaced(HostMirrorHybridOptimizer):
+    """Host mirrors; the placement above wherever megatron-core's would run (a reload)."""
+
+    def _get_sub_optimizer_param_groups(self, offload_fraction):
+        if self._reused_placement is not None:  # attach_host_mirrors' path, at construction
+            return super()._get_sub_optimizer_param_groups(offload_fraction)
+        return _placement(self.param_groups, offload_fraction)
+
+
+def _hdo(cls, groups, fraction, overlap, sources=None):
+    hdo = cls.__new__(cls)
+    if sources is not None:
+        hdo._offload_sources = sources
+        hdo._reused_placement = _placement(groups, fraction)
+    HybridDeviceOptimizer.__init__(
+        hdo, groups, offload_fraction=fraction, cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True, pin_cpu_grads=False,
+        overlap_cpu_optimizer_d2h_h2d=overlap, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True,
+    )  # fmt: skip
+    return hdo
+
+
+@pytest.mark.parametrize("dp,rank", [(1, 0), (2, 1)])
+@pytest.mark.parametrize("fp32_first", [True, False], ids=["fp32_first", "fp32_last"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize(
+    "pa,grads_fp32",
+    [(True, False), (True, True), (False, False)],
+    ids=["pa", "pa_fp32grads", "main"],
+)
+def test_hdo_with_host_mirrors_matches_stock_bit_for_bit(
+    cpu_streams, pa, grads_fp32, fraction, overlap, fp32_first, dp, rank
+):
+    runs = []
+    for cls in (_StockPlacedFp32Fixed, _MirrorPlaced):
+        bf16, fp32, groups, sources, bind, shard16 = _sim(pa, fp32_first, grads_fp32, dp, rank)
+        hdo = _hdo(
+            cls, groups, fraction, overlap, None if issubclass(cls, _StockPlaced) else sources
+        )
+        runs.append((bf16, fp32, bind, hdo, shard16))
+    ours = runs[1][3]
+    assert ours.host_mirrors and all(not s["pinned"] for s in ours.host_mirror_stats())
+    assert not ours.cpu_copy_map_grad  # no per-parameter host gradients
+    grads_before = {id(c): c.grad for c in ours.cpu_copys_map_gpu_param}
+    initial = [p.detach().clone() for p in runs[1][4].values()]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        g16 = torch.randn(runs[0][0].grad_data.numel(), generator=gen)
+        g32 = torch.randn(runs[0][1].grad_data.numel(), generator=gen)
+        for bf16, fp32, bind, hdo, _ in runs:
+            bf16.grad_data.copy_(g16)
+            fp32.grad_data.copy_(g32)
+            bind()
+            hdo.step()
+        (a16, a32, _, stock, main_a), (b16, b32, _, mine, main_b) = runs
+        # The same AdamW on the same values, rounded to bf16 by the same round-to-nearest-even
+        # conversion on the host (the stock copy-back converts there too): bit for bit.
+        assert torch.equal(a16.param_data, b16.param_data)
+        assert torch.equal(a32.param_data, b32.param_data)
+        for x, y in zip(main_a.values(), main_b.values(), strict=True):
+            assert torch.equal(x, y)  # the updated shards (fp32 main shards without pa)
+        _assert_same_state(stock, mine)
+    assert {id(c): c.grad for c in ours.cpu_copys_map_gpu_param} == grads_before
+    moved = [not torch.equal(p, q) for p, q in zip(runs[1][4].values(), initial, strict=True)]
+    assert all(moved)
+
+
+def _assert_same_state(stock, mine):
+    a = [p for g in stock.param_groups for p in g["params"]]
+    b = [p for g in mine.param_groups for p in g["params"]]
+    assert len(a) == len(b)
+    for pa_, pb in zip(a, b, strict=True):
+        sa, sb = stock.state[pa_], mine.state[pb]
+        assert sa.keys() == sb.keys() and {"exp_avg", "exp_avg_sq"} <= sa.keys()
+        for key in sa:
+            assert torch.equal(sa[key], sb[key]), key
+    assert [p in stock.gpu_params_map_cpu_copy for p in a] == [
+        p in mine.gpu_params_map_cpu_copy for p in b
+    ]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_gpu_resident_fp32_params_train_with_precision_aware_grads(cpu_streams, fraction):
+    trained = {}
+    for cls in (_StockPlaced, _MirrorPlaced):
+        _, fp32, groups, sources, bind, _ = _sim(True, False, False, 1, 0)
+        hdo = _hdo(cls, groups, fraction, False, None if issubclass(cls, _StockPlaced) else sources)
+        natives = [
+            p
+            for g in hdo.param_groups
+            for p in g["params"]
+            if p.dtype == torch.float32 and p not in hdo.gpu_params_map_cpu_copy
+        ]
+        assert natives
+        before = [p.detach().clone() for p in natives]
+        fp32.grad_data.normal_(generator=torch.Generator().manual_seed(1))
+        bind()
+        hdo.step()
+        trained[cls] = [
+            bool(hdo.state[p]) and not torch.equal(p, b)
+            for p, b in zip(natives, before, strict=True)
+        ]
+    # megatron-core: its torch GPU optimizer never sees their (decoupled) gradients
+    assert not any(trained[_StockPlaced])
+    assert all(trained[_MirrorPlaced])
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_state_dict_round_trip_keeps_the_trajectory(cpu_streams, fraction):
+    """load_state_dict rebuilds the CPU copies and mirrors; training continues bit for bit,
+    natively fp32 parameters included (megatron-core's own reload raises KeyError there)."""
+    finals = []
+    for reload in (False, True):
+        bf16, fp32, groups, sources, bind, shard16 = _sim(True, True, False, 1, 0)
+        hdo = _hdo(_MirrorPlaced, groups, fraction, False, sources)
+        gen = torch.Generator().manual_seed(5)
+        for step in range(4):
+            if reload and step == 2:
+                before = [c.data_ptr() for c in hdo.cpu_copys_map_gpu_param]
+                hdo.load_state_dict(hdo.state_dict())
+                assert [c.data_ptr() for c in hdo.cpu_copys_map_gpu_param] != before
+                hosts = {m.host_params.untyped_storage().data_ptr() for m in hdo.host_mirrors}
+                for c in hdo.cpu_copys_map_gpu_param:
+                    assert c.untyped_storage().data_ptr() in hosts
+            bf16.grad_data.copy_(torch.randn(bf16.grad_data.numel(), generator=gen))
+            fp32.grad_data.copy_(torch.randn(fp32.grad_data.numel(), generator=gen))
+            bind()
+            hdo.step()
+        finals.append((bf16, fp32, hdo))
+    (a16, a32, a), (b16, b32, b) = finals
+    assert torch.equal(a16.param_data, b16.param_data)
+    assert torch.equal(a32.param_data, b32.param_data)
+    _assert_same_state(a, b)
+
+
+def test_model_param_reload_refreshes_every_cpu_copy(cpu_streams):
+    _, fp32, groups, sources, _, _ = _sim(True, True, False, 1, 0)
+    hdo = _hdo(_MirrorPlaced, groups, 1.0, False, sources)
+    fp32.param_data.fill_(3.0)
+    hdo.update_fp32_param_by_new_param()  # megatron-core skips natively fp32 parameters
+    for orig, cpu in hdo.gpu_params_map_cpu_copy.items():
+        if orig.dtype == torch.float32:
+            assert torch.all(cpu == 3.0)
+
+
+def test_cpu_params_and_grads_are_views_of_the_mirrors(cpu_streams):
+    _, _, groups, sources, _, _ = _sim(True, False, False, 1, 0)
+    hdo = _hdo(_MirrorPlaced, groups, 1.0, True, sources)
+    hosts = {m.host_params.untyped_storage().data_ptr() for m in hdo.host_mirrors}
+    grads = {m.cpu_grads.untyped_storage().data_ptr() for m in hdo.host_mirrors}
+    for cpu in hdo.cpu_copys_map_gpu_param:
+        assert cpu.untyped_storage().data_ptr() in hosts
+        assert cpu.grad.untyped_storage().data_ptr() in grads
+    assert hdo.gpu_optimizer is None
+    stats = hdo.host_mirror_stats()
+    assert [s["blocks"] for s in stats] == [1, 1]  # fraction 1, one owned range each
+    for s in stats:
+        assert s["staging_bytes"] <= s["owned_bytes"]
+    bf16 = next(s for s in stats if s["buffer"] == "bf16")
+    assert bf16["d2h_bytes"] == bf16["staging_bytes"]  # bf16 moves as bf16
+    assert bf16["host_grad_bytes"] == 2 * bf16["staging_bytes"]  # one fp32 conversion target
+
+
+def test_a_parameter_outside_every_buffer_is_an_error(cpu_streams):
+    _, _, groups, sources, _, _ = _sim(True, False, False, 1, 0)
+    with pytest.raises(RuntimeError, match="lie in no flat buffer"):
+        _hdo(_MirrorPlaced, groups, 1.0, False, sources[:1])
+
+
+def _distopt_shaped(pa, dp, rank):
+    """A DistributedOptimizer's attributes that attach_host_mirrors reads, over _Buffers,
+    with its flat targets built by megatron_ext.targets and a megatron-core
+    HybridDeviceOptimizer (placed as above) inside: the glue, on the CPU."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_ext.spans import GradRecord
+    from megatron_ext.targets import FlatOptimizerState, buffer_target
+
+    group = SimpleNamespace(size=lambda: dp, rank=lambda: rank)
+    child = DistributedOptimizer.__new__(DistributedOptimizer)
+    child.config = SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=pa)
+    child.is_stub_optimizer = False
+    child.buffers, targets, ranges = [], [], {}
+    child.model_param_gbuf_map = {}
+    models, shards = {}, {}
+    for index, (shapes, dtype) in enumerate(
+        ((SHAPES, torch.bfloat16), (FP32_SHAPES, torch.float32))
+    ):
+        b = _Buffer(shapes, dtype, dtype, dp, rank)
+        index_map = {}
+        for name, span in b.spans.items():
+            model = b.param_data[span.start : span.end].view(shapes[name])
+            index_map[model] = (span.start, span.end, 0)
+            child.model_param_gbuf_map[model] = (index, (dtype, dtype), 0)
+            piece = b.shards.get(name)
+            if piece is None:
+                continue
+            ranges[model] = {
+                "param": SimpleNamespace(start=piece.start - span.start, end=piece.end - span.start)
+            }
+            shard = b.param_data[piece.start : piece.end]
+            if dtype == torch.bfloat16 and not pa:
+                shard = shard.float()  # an fp32 main shard
+            models[model], shards[model] = dtype, shard
+        buf = SimpleNamespace(
+            param_index_map=index_map, grad_data=b.grad_data, param_data=b.param_data,
+            numel=b.grad_data.numel(), bucket_indices=[(0, b.grad_data.numel())],
+            data_parallel_group=group, grad_dtype=dtype, param_dtype=dtype,
+        )  # fmt: skip
+        records = [GradRecord(n, s.start, s.end, 0) for n, s in b.spans.items()]
+        needs_mirror = not pa and dtype != torch.float32
+        targets.append(buffer_target(buf, records, sharded=True, needs_mirror=needs_mirror))
+        child.buffers.append(buf)
+    child._get_model_param_range_map = ranges.__getitem__
+    child._flat = FlatOptimizerState(targets, None)
+    halves = [[m for m in models if models[m] == dt] for dt in (torch.bfloat16, torch.float32)]
+    child.model_float16_groups, child.model_fp32_groups = [halves[0]], [halves[1]]
+    shard16 = [[shards[m] for m in halves[0]]]
+    child.shard_float16_groups = shard16 if pa else [[None] * len(halves[0])]
+    child.shard_fp32_from_float16_groups = [[None] * len(halves[0])] if pa else shard16
+    child.shard_fp32_groups = [[shards[m] for m in halves[1]]]
+    groups = [{"params": [*child.shard_fp32_groups[0], *shard16[0]], "weight_decay": 0.0}]
+    child.optimizer = _hdo(_StockPlaced, groups, 0.5, False)
+    return child
+
+
+@pytest.mark.parametrize("dp,rank", [(1, 0), (2, 1)])
+@pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])
+def test_attach_to_a_distributed_optimizer(cpu_streams, pa, dp, rank):
+    child = _distopt_shaped(pa, dp, rank)
+    hdo = child.optimizer
+    offloaded = list(hdo.gpu_params_map_cpu_copy.items())
+    assert offload.attach_host_mirrors(child) is True
+    assert type(hdo) is HostMirrorHybridOptimizer and hdo.host_mirrors
+    # megatron-core's placement and CPU copies are kept, not made again
+    assert list(hdo.gpu_params_map_cpu_copy.items()) == offloaded
+    sources = hdo._offload_sources
+    for source, buf, target in zip(sources, child.buffers, child._flat.targets, strict=True):
+        assert source.owned == target.spans.owned
+        assert source.param_data is buf.param_data
+        if target.mirror is not None:  # fp32 main grads of bf16 params: the fp32 mirror
+            assert source.grads is target.mirror and source.grads_coords == target.spans.owned
+        else:
+            assert source.grads is buf.grad_data and source.grads_coords is None
+        for shard, span in source.spans.items():
+            if pa or buf.param_dtype == torch.float32:  # a view of the parameter buffer
+                assert shard.storage_offset() == span.start
+    for cpu in hdo.cpu_copys_map_gpu_param:
+        hosts = {m.host_params.untyped_storage().data_ptr() for m in hdo.host_mirrors}
+        assert cpu.untyped_storage().data_ptr() in hosts
+    for buf in child.buffers:
+        buf.grad_data.normal_()
+    for t in child._flat.targets:
+        for dst, src in t.copies:
+            dst.copy_(src)
+    hdo.step()  # gradients straight from the buffers (or the fp32 mirror), no .grad needed
+    assert all(hdo.state[p] for p, _ in offloaded)
+
+
+def test_attach_ignores_optimizers_without_offload():
+    assert offload.attach_host_mirrors(object()) is False
+
+
+def test_class_swap_keeps_the_instance_layout():
+    hdo = object.__new__(HybridDeviceOptimizer)
+    hdo.__class__ = HostMirrorHybridOptimizer  # single inheritance: allowed
+    assert isinstance(hdo, HybridDeviceOptimizer)
+
+
+# ---------------------------------------------------------------------------------------
+# The benchmark, tiny, on the CPU
+
+
+def test_offload_benchmark_runs_on_cpu(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location(
+        "bench_offload", ROOT / "benchmarks" / "offload.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--bytes", "262144", "--warmup", "0"]
+    returned = script.main([*argv, "--reps", "1", "--dp", "2"])
+    records = json.loads((tmp_path / "offload.json").read_text())
+    assert (tmp_path / "offload.png").stat().st_size > 0
+    assert records == json.loads(json.dumps(returned, default=str))
+    assert {r["variant"] for r in records} == {"per_param", "flat"}
+    for r in records:
+        assert set(script.RECORD_FIELDS) <= set(r)
+        assert r["error"] is None, r
+        assert r["time_kind"] == "perf_counter" and "stand in" in r["note"]
+        assert r["d2h_s"] > 0 and r["cpu_step_s"] > 0 and r["ceiling_Bps"] > 0
+    flat = [r for r in records if r["variant"] == "flat"]
+    per_param = [r for r in records if r["variant"] == "per_param"]
+    for f, p in zip(flat, per_param, strict=True):
+        assert f["d2h_copies"] < p["d2h_copies"]
+        assert f["d2h_bytes"] < p["d2h_bytes"]  # bf16 moves as bf16, not fp32
+        assert f["pinned_bytes"] <= f["owned_bytes"]
+    out = capsys.readouterr()
+    assert "stand in" in out.out and out.out.rstrip().splitlines()[-1].strip()
