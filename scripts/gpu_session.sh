@@ -23,7 +23,8 @@ for s in "$@"; do
       tests/test_properties.py tests/test_plan.py tests/test_megatron_spans.py ;;
     example) step example 120 python3 examples/megatron_quickstart.py ;;
     norm_clip|memory|train_step|offload)
-      step "$s" 300 python3 "benchmarks/$s.py" --device cuda --out "$OUT/bench" ;;
+      extra=(); [ "$s" = norm_clip ] && extra=(--scaling-counts 80,1000,10000)
+      step "$s" 300 python3 "benchmarks/$s.py" --device cuda --out "$OUT/bench" "${extra[@]}" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
