@@ -5,13 +5,15 @@ Run: ``python benchmarks/norm_clip.py --device {cpu,cuda} --out DIR [--scale aut
 Inventories: a dense GPT-like stage (bf16 weights, fp32 layernorms), a DeepSeek-like MoE
 stage (every expert's fc1/fc2 a separate parameter, fp32 routers, hyper-connection weights
 and attention sinks) and a series of 80 to 10,000 fp32 parameters holding fixed total bytes
-(host cost against parameter count). Ops: ``norm``; ``clip`` (coefficient below 1 on every
-call); ``clip_noop`` (coefficient clamped to 1). Gradients are random (seeded) in their
-dtype; the norm is compared with an fp64 reference of the same values.
+(host cost against parameter count). Ops: ``norm``; ``clip`` (a whole ``clip_grad_norm_``:
+the norm, then a scale with the coefficient below 1 on every call); ``clip_noop`` (the same
+with the coefficient clamped to 1). Gradients are random (seeded) in their dtype; the norm
+is compared with an fp64 reference of the same values.
 
 Floors, from the copy bandwidth measured in the same run (read + write bytes per second):
-``norm`` and ``clip_noop`` read every byte once (``bytes / bandwidth``); ``clip`` reads and
-writes it (``2 * bytes / bandwidth``).
+``norm`` and ``clip_noop`` read every byte once (``bytes / bandwidth``); ``clip`` reads every
+byte for the norm, then reads and writes it to scale (``3 * bytes / bandwidth``), so its
+scale alone is at the floor when ``clip`` is at its floor.
 
 Writes DIR/norm_clip.json, one record per (inventory, variant, op), fields:
 ``inventory, series ("model" | "scaling"), variant, path, op, device, num_params, bytes,
@@ -37,11 +39,13 @@ from benchmarks import common, inventories
 from benchmarks.inventories import Inventory
 from benchmarks.norm_clip_variants import CUDA_ONLY, VARIANTS, NamedParams, Prepared
 
-# op -> (max_norm, passes over the bytes at the floor); a tiny max_norm keeps the clip
-# coefficient below 1 on every timed call, a huge one clamps it to 1.
+# op -> (max_norm, passes over the bytes at the floor). max_norm 0 makes the coefficient 0
+# on every timed call, so every call really scales (a small positive max_norm does not: once
+# clipped, rounded gradients can fall just under it and the coefficient clamps to 1). A huge
+# max_norm clamps it to 1: the no-op case.
 OPS: dict[str, tuple[float | None, int]] = {
     "norm": (None, 1),
-    "clip": (1e-2, 2),
+    "clip": (0.0, 3),
     "clip_noop": (1e30, 1),
 }
 RECORD_FIELDS = (

@@ -78,10 +78,10 @@ def _model(args, fp32_islands: bool):
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
     )
-    model = GPTModel(
+    gpt = GPTModel(
         config, get_gpt_layer_local_spec(), vocab_size=args.vocab, max_sequence_length=args.seq
     ).cuda()
-    for layer in model.decoder.layers:
+    for layer in gpt.decoder.layers:
         alpha = torch.nn.Parameter(
             torch.ones(
                 args.hidden, device="cuda", dtype=torch.float32 if fp32_islands else torch.bfloat16
@@ -93,7 +93,9 @@ def _model(args, fp32_islands: bool):
         layer.mlp.register_forward_hook(
             lambda mod, inp, out: (out[0] * mod.hc_alpha.to(out[0].dtype), *out[1:])
         )
-    return config, model
+    # As Megatron's training loop does: everything to bf16 (the layer specs' norms are
+    # created in fp32), except the parameters marked keep_in_fp32.
+    return config, megatron_ext.Float16Module(config, gpt)
 
 
 def _build(args, option: bool, overrides: dict, fp32_islands: bool):

@@ -18,34 +18,79 @@ import triton.language as tl
 BLOCK = 2048
 ITERS = 8
 TILE = BLOCK * ITERS
+EDGE = 16  # elements; span cores start and end on multiples of this (vectorized access)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _sumsq_kernel(base, tile_start, tile_end, out, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def _sumsq_kernel(
+    base,
+    tile_start,
+    tile_end,
+    out,
+    n_core,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+    EDGE: tl.constexpr,
+):
     pid = tl.program_id(0)
-    start = tl.load(tile_start + pid)
-    end = tl.load(tile_end + pid)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in tl.static_range(ITERS):
-        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+    if pid < n_core:
+        # Core tiles start and end on multiples of EDGE: telling Triton so lets it use
+        # vector loads (offsets loaded from memory carry no alignment information).
+        start = tl.multiple_of(tl.load(tile_start + pid), EDGE)
+        end = tl.multiple_of(tl.load(tile_end + pid), EDGE)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in tl.static_range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(base + offs, mask=offs < end, other=0.0).to(tl.float32)
+            acc += x * x
+        tl.store(out + pid, tl.sum(acc, axis=0))
+    else:  # an unaligned edge of a span: fewer than EDGE elements
+        start = tl.load(tile_start + pid)
+        end = tl.load(tile_end + pid)
+        offs = start + tl.arange(0, EDGE)
         x = tl.load(base + offs, mask=offs < end, other=0.0).to(tl.float32)
-        acc += x * x
-    tl.store(out + pid, tl.sum(acc, axis=0))
+        tl.store(out + pid, tl.sum(x * x, axis=0))
 
 
 @triton.jit
-def _scale_kernel(base, tile_start, tile_end, coeff, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def _scale_kernel(
+    base,
+    tile_start,
+    tile_end,
+    coeff,
+    n_core,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+    EDGE: tl.constexpr,
+):
     c = tl.load(coeff)
     if c != 1.0:
         pid = tl.program_id(0)
-        start = tl.load(tile_start + pid)
-        end = tl.load(tile_end + pid)
-        for i in tl.static_range(ITERS):
-            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        if pid < n_core:
+            start = tl.multiple_of(tl.load(tile_start + pid), EDGE)
+            end = tl.multiple_of(tl.load(tile_end + pid), EDGE)
+            for i in tl.static_range(ITERS):
+                offs = start + i * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < end
+                x = tl.load(base + offs, mask=mask)
+                tl.store(base + offs, (x.to(tl.float32) * c).to(x.dtype), mask=mask)
+        else:
+            start = tl.load(tile_start + pid)
+            end = tl.load(tile_end + pid)
+            offs = start + tl.arange(0, EDGE)
             mask = offs < end
             x = tl.load(base + offs, mask=mask)
             tl.store(base + offs, (x.to(tl.float32) * c).to(x.dtype), mask=mask)
+
+
+def split_span(lo: int, hi: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Cut ``[lo, hi)`` into core tiles (EDGE-aligned ends, at most TILE long) and edges."""
+    a = min(-(-lo // EDGE) * EDGE, hi)
+    b = max(hi // EDGE * EDGE, a)
+    core = [(s, b) for s in range(a, b, TILE)]
+    edges = [(x, y) for x, y in ((lo, a), (b, hi)) if y > x]
+    return core, edges
 
 
 class TileTable:
@@ -53,26 +98,44 @@ class TileTable:
 
     def __init__(self, base: torch.Tensor, spans: Sequence[tuple[int, int]]) -> None:
         # Offsets only: the same table serves any buffer with these spans (``base`` at call).
-        starts, ends = [], []
+        core, edges = [], []
         for lo, hi in spans:
-            for s in range(lo, hi, TILE):
-                starts.append(s)
-                ends.append(hi)
-        self.n = len(starts)
-        self.starts = torch.tensor(starts, dtype=torch.int64, device=base.device)
-        self.ends = torch.tensor(ends, dtype=torch.int64, device=base.device)
+            c, e = split_span(lo, hi)
+            core += c
+            edges += e
+        tiles = core + edges
+        self.n_core = len(core)
+        self.n = len(tiles)
+        self.starts = torch.tensor([t[0] for t in tiles], dtype=torch.int64, device=base.device)
+        self.ends = torch.tensor([t[1] for t in tiles], dtype=torch.int64, device=base.device)
         self.partials = torch.empty(max(self.n, 1), dtype=torch.float32, device=base.device)
 
     def sumsq(self, base: torch.Tensor) -> torch.Tensor:
         if self.n == 0:
             return self.partials[:1].zero_().sum()
         _sumsq_kernel[(self.n,)](
-            base, self.starts, self.ends, self.partials, BLOCK=BLOCK, ITERS=ITERS, num_warps=8
+            base,
+            self.starts,
+            self.ends,
+            self.partials,
+            self.n_core,
+            BLOCK=BLOCK,
+            ITERS=ITERS,
+            EDGE=EDGE,
+            num_warps=8,
         )
         return self.partials[: self.n].sum()
 
     def scale_(self, base: torch.Tensor, coeff: torch.Tensor) -> None:
         if self.n:
             _scale_kernel[(self.n,)](
-                base, self.starts, self.ends, coeff, BLOCK=BLOCK, ITERS=ITERS, num_warps=8
+                base,
+                self.starts,
+                self.ends,
+                coeff,
+                self.n_core,
+                BLOCK=BLOCK,
+                ITERS=ITERS,
+                EDGE=EDGE,
+                num_warps=8,
             )

@@ -22,7 +22,8 @@ SCRIPT = textwrap.dedent(
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         buf = torch.zeros(3 * tk.TILE + 500, dtype=dtype)
         # spans crossing tile boundaries, a one-element span, and a gap that must stay put
-        spans = [(0, tk.TILE + 7), (tk.TILE + 100, tk.TILE + 101), (2 * tk.TILE, buf.numel())]
+        spans = [(0, tk.TILE + 7), (tk.TILE + 100, tk.TILE + 101), (tk.TILE + 203, tk.TILE + 260),
+                 (2 * tk.TILE + 5, buf.numel())]
         buf.copy_(torch.randn(buf.numel(), generator=gen))
         table = tk.TileTable(buf, spans)
         want = sum(buf[a:b].double().square().sum().item() for a, b in spans)
@@ -45,6 +46,9 @@ SCRIPT = textwrap.dedent(
         assert torch.equal(buf[~inside], before[~inside]), "outside the spans must not change"
         buf[5] = math.nan
         assert math.isnan(table.sumsq(buf).item())
+    assert tk.split_span(5, 70) == ([(16, 64)], [(5, 16), (64, 70)])
+    assert tk.split_span(3, 9) == ([], [(3, 9)])
+    assert tk.split_span(0, 2 * tk.TILE) == ([(0, 2 * tk.TILE), (tk.TILE, 2 * tk.TILE)], [])
     print("kernels ok")
     """
 )

@@ -14,7 +14,9 @@ pytestmark = [
 ]
 
 HIDDEN = 128
-FORMATS = ["fully_reshardable", "dp_reshardable", "fully_sharded_model_space"]
+FORMATS = ["fully_reshardable", "dp_reshardable"]
+# megatron-core 0.19.2 itself refuses to save this deprecated format, option on or off.
+REFUSED = "fully_sharded_model_space"
 
 
 @pytest.fixture(autouse=True)
@@ -129,6 +131,7 @@ def save(model, opt, path, fmt):
     state["optimizer"] = opt.sharded_state_dict(
         state["model"], metadata={"distrib_optim_sharding_type": fmt}
     )
+    path.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(state, str(path))
 
 
