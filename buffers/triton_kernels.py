@@ -46,11 +46,12 @@ def _sumsq_kernel(
             acc += x * x
         tl.store(out + pid, tl.sum(acc, axis=0))
     else:  # an unaligned edge of a span: fewer than EDGE elements
-        start = tl.load(tile_start + pid)
-        end = tl.load(tile_end + pid)
-        offs = start + tl.arange(0, EDGE)
-        x = tl.load(base + offs, mask=offs < end, other=0.0).to(tl.float32)
-        tl.store(out + pid, tl.sum(x * x, axis=0))
+        # (names differ from the core branch's: Triton wants one type per name across branches)
+        e_start = tl.load(tile_start + pid)
+        e_end = tl.load(tile_end + pid)
+        e_offs = e_start + tl.arange(0, EDGE)
+        e_x = tl.load(base + e_offs, mask=e_offs < e_end, other=0.0).to(tl.float32)
+        tl.store(out + pid, tl.sum(e_x * e_x, axis=0))
 
 
 @triton.jit
@@ -76,12 +77,12 @@ def _scale_kernel(
                 x = tl.load(base + offs, mask=mask)
                 tl.store(base + offs, (x.to(tl.float32) * c).to(x.dtype), mask=mask)
         else:
-            start = tl.load(tile_start + pid)
-            end = tl.load(tile_end + pid)
-            offs = start + tl.arange(0, EDGE)
-            mask = offs < end
-            x = tl.load(base + offs, mask=mask)
-            tl.store(base + offs, (x.to(tl.float32) * c).to(x.dtype), mask=mask)
+            e_start = tl.load(tile_start + pid)
+            e_end = tl.load(tile_end + pid)
+            e_offs = e_start + tl.arange(0, EDGE)
+            e_mask = e_offs < e_end
+            e_x = tl.load(base + e_offs, mask=e_mask)
+            tl.store(base + e_offs, (e_x.to(tl.float32) * c).to(e_x.dtype), mask=e_mask)
 
 
 def split_span(lo: int, hi: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

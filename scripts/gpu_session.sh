@@ -17,14 +17,14 @@ step() {  # name, limit in seconds, command...
 }
 for s in "$@"; do
   case $s in
-    tests) step tests 300 python3 -m pytest -p no:cacheprovider -q -m "cuda or not cuda" \
+    tests) step tests ${TESTS_LIMIT:-300} python3 -m pytest -p no:cacheprovider -q -m "cuda or not cuda" \
       -W ignore::UserWarning -W ignore::DeprecationWarning -rfE tests/gpu tests/test_storage.py \
       tests/test_lists.py tests/test_backends.py tests/test_distributed.py \
       tests/test_properties.py tests/test_plan.py tests/test_megatron_spans.py ;;
     example) step example 120 python3 examples/megatron_quickstart.py ;;
     norm_clip|memory|train_step|offload)
       extra=(); [ "$s" = norm_clip ] && extra=(--scaling-counts 80,1000,10000)
-      step "$s" 300 python3 "benchmarks/$s.py" --device cuda --out "$OUT/bench" "${extra[@]}" ;;
+      step "$s" ${BENCH_LIMIT:-300} python3 "benchmarks/$s.py" --device cuda --out "$OUT/bench" "${extra[@]}" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
