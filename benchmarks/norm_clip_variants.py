@@ -239,9 +239,15 @@ def flat_megatron(named: NamedParams, device: torch.device) -> Prepared:
     )
     opt = megatron_ext.get_megatron_optimizer(opt_config, [model])
     buckets = sum(len(b.buckets) for b in model.all_grad_buffers())
+
+    def clip(max_norm: float):
+        # Megatron reads clip_grad=0 as "clipping off"; the driver's max_norm=0 means "always
+        # scale", so pass the smallest positive value instead (coefficient ~0 every call).
+        return opt.clip_grad_norm(max_norm if max_norm > 0 else 1e-30)
+
     return Prepared(
         [p.main_grad for _, p in named],
         opt.get_grad_norm,
-        opt.clip_grad_norm,
+        clip,
         {"variant": "flat", "path": "megatron_spans", "note": f"{buckets} buckets, decoupled"},
     )
