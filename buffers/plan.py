@@ -102,13 +102,6 @@ class LayoutPlan:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers.values())
 
-    def slot(self, index: int) -> ParamSlot:
-        for b in self.buffers.values():
-            for s in b.slots:
-                if s.index == index:
-                    return s
-        raise KeyError(index)
-
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()

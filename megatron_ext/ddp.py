@@ -10,7 +10,7 @@ from megatron.core.distributed import DistributedDataParallel as _MCoreDDP
 from buffers.plan import Span
 
 from .fp32 import cast_marked_to_fp32
-from .spans import GradRecord
+from .spans import GradRecord, exclusion_reason
 
 ALIGN = 64  # elements; Megatron aligns every parameter's start to 64 elements too
 
@@ -88,8 +88,6 @@ class DistributedDataParallel(_MCoreDDP):
 
 
 def _records(buf, names: dict) -> tuple[GradRecord, ...]:
-    from .spans import exclusion_reason
-
     out = []
     for p, (start, end, bucket) in buf.param_index_map.items():
         out.append(

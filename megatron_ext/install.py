@@ -78,7 +78,3 @@ def uninstall() -> None:
     while _patched:
         module, name, original = _patched.pop()
         setattr(module, name, original)
-
-
-def installed() -> bool:
-    return bool(_patched)
