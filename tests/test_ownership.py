@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from megatron.core.parallel_state import RankGenerator
 
+from megatron_ext.inventory import gpt_inventory
 from megatron_ext.ownership import (
     LogicalParam,
     Topology,
     audit,
-    gpt_inventory,
     norm_group_key,
     rank_norms,
     reference_norm,
