@@ -6,6 +6,7 @@ the resulting lists, one entry per flat buffer.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -83,9 +84,13 @@ def buffer_target(buf, records, *, sharded: bool, needs_mirror: bool, island=Non
     target = BufferTarget(describe(buf), tuple(records), spans, _views(grad, spans.norm), [])
     if needs_mirror:
         mirror = torch.zeros(spans.owned_numel, dtype=torch.float32, device=grad.device)
-        local = to_local(spans.owned, spans.owned)
         target.mirror = mirror
-        target.copies = list(zip(_views(mirror, local), _views(grad, spans.owned), strict=True))
+        # One copy per owned range, into the owned ranges laid end to end in the mirror.
+        ends = list(itertools.accumulate(s.numel for s in spans.owned))
+        target.copies = [
+            (mirror[end - s.numel : end], grad[s.start : s.end])
+            for s, end in zip(spans.owned, ends, strict=True)
+        ]
         target.scale_views = [mirror]
     else:
         target.scale_views = _views(grad, spans.owned)

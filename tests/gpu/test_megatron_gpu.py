@@ -48,6 +48,10 @@ class Mixed(torch.nn.Module):
 
 KINDS = {
     "distopt": dict(use_distributed_optimizer=True),
+    # several buckets per buffer: spans and fp32 mirrors cross bucket boundaries
+    "distopt_buckets": dict(
+        use_distributed_optimizer=True, ddp=dict(overlap_grad_reduce=True, bucket_size=40_000)
+    ),
     "distopt_offload_0.5": dict(
         use_distributed_optimizer=True, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5
     ),
@@ -84,6 +88,7 @@ def build(kind, option, fp32_first=False, patterns=(), seed=0):
 
     opts = dict(KINDS[kind])
     bf16 = opts.pop("bf16", True)
+    ddp_overrides = opts.pop("ddp", {})
     torch.manual_seed(seed)
     module = Mixed(fp32_first, all_fp32=not bf16)
     tcfg = TransformerConfig(
@@ -97,6 +102,7 @@ def build(kind, option, fp32_first=False, patterns=(), seed=0):
         per_dtype_grad_buffers=option,
         use_distributed_optimizer=opts["use_distributed_optimizer"],
         param_name_patterns_for_fp32_local_accumulation=patterns,
+        **ddp_overrides,
     )
     model = megatron_ext.DistributedDataParallel(tcfg, ddp_cfg, module)
     ocfg = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, clip_grad=MAX_NORM, **opts)
@@ -157,6 +163,8 @@ def test_norm_clip_and_training_with_option(kind, fp32_first):
 
     model, opt = build(kind, True, fp32_first)
     assert type(opt).__name__ == "FlatChainedOptimizer"
+    if kind == "distopt_buckets":
+        assert max(len(b.buckets) for b in model.all_grad_buffers()) > 1
     audit = megatron_ext.audit_norm_ownership([model], opt)
     assert audit.pieces == len(list(model.module.parameters()))
     table = megatron_ext.explain_norm([model], opt)
