@@ -20,12 +20,13 @@ def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=No
     gradients gives the right norm. Returns a 0-dim fp32 tensor (no host sync).
     """
     grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else list(grads_for_norm)
-    p = ops.check_norm_type(norm_type)
     device = grads[0].device if grads else torch.device("cuda", torch.cuda.current_device())
-    groups = buffers.lists.group_by_device_dtype(grads)
-    stat = ops.local_power_stat(groups, p, device)
-    stat = ops.all_reduce_stat(stat, p, grad_stats_parallel_group)
-    return ops.finish_norm(stat, p)
+    # megatron-core always all-reduces (a None group is the whole world); total_norm reads
+    # None as "local only", so name the world group explicitly.
+    group = grad_stats_parallel_group
+    if group is None:
+        group = torch.distributed.group.WORLD
+    return buffers.total_norm(grads, norm_type, group=group, device=device)
 
 
 def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
