@@ -259,6 +259,54 @@ class FlatNormOptimizer:
         torch.distributed.all_reduce(zeros, group=self.get_grad_stats_parallel_group())
         return zeros
 
+    def load_state_dict(self, state_dict):
+        """megatron-core's load, then one ``step`` tensor per parameter again.
+
+        Without TE/Apex, megatron-core 0.19.2 gives every parameter's torch Adam state the
+        same ``step`` tensor object; torch's Adam then increments that one tensor once per
+        parameter per step, and the bias correction after a resume is wrong.
+        """
+        self._flat_base.load_state_dict(self, state_dict)
+        seen = set()
+        for state in self.optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    state["step"] = step.clone()
+                seen.add(id(state["step"]))
+
+    @torch.no_grad()
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        """Checkpoint load (distributed optimizer): one parameter's main copy and state.
+
+        megatron-core 0.19.2's version fails with torch's Adam (no TE/Apex), option on or
+        off: it demands a per-parameter ``step`` that ``fully_reshardable`` does not store
+        (KeyError), it copies ``dp_reshardable``'s stale ``step`` over the one
+        ``load_state_dict`` restored from the param groups, and it copies into fp32 shards
+        with autograd on. Here ``step`` always comes from the param groups, every other
+        state tensor must be in the checkpoint, and copies run under ``no_grad``.
+        """
+        tensors = {k: v for k, v in tensors.items() if k != "step"}
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            base = self._flat_base._set_main_param_and_optimizer_states
+            return base(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst = {"param": main_param}
+        for key, value in self.optimizer.state[main_param].items():
+            if key != "step" and isinstance(value, torch.Tensor):
+                dst[key] = value
+        missing = sorted(set(dst) - set(tensors))
+        if missing:
+            raise KeyError(
+                f"checkpoint has no optimizer state {missing} for a parameter of shape "
+                f"{tuple(model_param.shape)} (it has {sorted(tensors)}): was it saved with "
+                "a different optimizer type?"
+            )
+        for key, target in dst.items():
+            if isinstance(tensors[key], torch.Tensor):  # megatron-core skips non-tensors too
+                target.copy_(tensors[key])
+
 
 class FlatChainedOptimizer:
     """Mixin for ``ChainedOptimizer``: one norm over every child's flat spans."""
