@@ -225,8 +225,12 @@ def finish_norm(stat: torch.Tensor, p: float) -> torch.Tensor:
     return stat.pow(1.0 / p)
 
 
-def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``max_norm / (norm + 1e-6)`` clamped to 1, as a device tensor (torch's convention)."""
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float | torch.Tensor) -> torch.Tensor:
+    """``max_norm / (norm + 1e-6)`` clamped to 1, as a device tensor (torch's convention).
+
+    ``max_norm`` is a float or a 0-dim tensor on the norm's device (the latter keeps a
+    captured CUDA graph valid for any value).
+    """
     coeff = max_norm / (total_norm + 1e-6)
     # Clamping on device instead of `if coeff < 1` avoids a host sync.
     return torch.clamp(coeff, max=1.0)

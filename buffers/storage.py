@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from . import ops
+from .graphs import NormClip
 from .plan import LayoutPlan, ParamEntry, plan_layout
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -100,7 +101,8 @@ class FlatGradBuffers:
         # Built once: the hot path walks buffers, never parameters.
         self._norm_groups = views(lambda b: b.norm_spans)
         self._scale_groups = views(lambda b: b.scale_spans)
-        ops.prepare_groups(self._norm_groups + self._scale_groups)
+        # Replays norm/clip as CUDA graphs after the first calls (buffers/graphs.py).
+        self._norm_clip = NormClip(self._norm_groups, self._scale_groups, self.device)
         self._norm_padding = sum(
             n for b in self.plan.buffers.values() for n in b.padding_in.values()
         )
@@ -175,11 +177,6 @@ class FlatGradBuffers:
             self._param_by_id[pid].grad = self._views[pid]
         self._escaped.clear()
 
-    def _local_stat(self, norm_type: float) -> tuple[torch.Tensor, float]:
-        self._raise_if_escaped()
-        p = ops.check_norm_type(norm_type)
-        return ops.local_power_stat(self._norm_groups, p, self.device), p
-
     def grad_norm(self, norm_type: float = 2.0, group=None) -> torch.Tensor:
         """Norm of the counted gradients, accumulated in fp32; no host sync.
 
@@ -190,9 +187,11 @@ class FlatGradBuffers:
         Returns:
             0-dim fp32 tensor on the buffers' device.
         """
-        stat, p = self._local_stat(norm_type)
-        if group is not None:
-            stat = ops.all_reduce_stat(stat, p, group)
+        self._raise_if_escaped()
+        p = ops.check_norm_type(norm_type)
+        if group is None:
+            return self._norm_clip.norm(p)
+        stat = ops.all_reduce_stat(self._norm_clip.local_stat(p), p, group)
         return ops.finish_norm(stat, p)
 
     def clip_grad_norm_(
@@ -213,13 +212,16 @@ class FlatGradBuffers:
         Returns:
             The pre-clip norm, a 0-dim fp32 device tensor.
         """
+        if group is None and not error_if_nonfinite:
+            self._raise_if_escaped()
+            return self._norm_clip.clip_(float(max_norm), ops.check_norm_type(norm_type))
         total = self.grad_norm(norm_type, group)
         if error_if_nonfinite and not torch.isfinite(total).item():
             raise RuntimeError(
                 f"the total norm of order {norm_type} of the gradients is non-finite, so it "
                 "cannot be clipped; pass error_if_nonfinite=False to scale by NaN/0 instead"
             )
-        ops.scale_groups_(self._scale_groups, ops.clip_coefficient(total, max_norm))
+        self._norm_clip.scale_by_norm_(total, float(max_norm))
         return total
 
     def count_zeros(self, group=None) -> torch.Tensor:

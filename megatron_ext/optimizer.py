@@ -16,6 +16,7 @@ from megatron.core.optimizer.optimizer import (
 )
 
 from buffers import ops
+from buffers.graphs import NormClip
 
 from . import offload
 from .targets import FlatOptimizerState, buffer_target, mirror_view
@@ -101,6 +102,10 @@ def enable_flat_norm(opt, model_chunks, *, host_mirrors: bool = True):
         child.__class__ = _flat_class(type(child))
         if host_mirrors:
             offload.attach_host_mirrors(child)
+        # Norm and scale launches over these fixed spans, replayed as CUDA graphs.
+        child._flat_norm_clip = NormClip(
+            child._flat.norm_groups, child._flat.scale_groups, _device()
+        )
     if isinstance(opt, ChainedOptimizer):
         opt.__class__ = _flat_class(type(opt))
     return opt
@@ -233,13 +238,13 @@ class FlatNormOptimizer:
             setattr(tensor, attr, view)
 
     def _flat_local_stat(self, norm_type: float = 2.0) -> torch.Tensor:
-        return ops.local_power_stat(self._flat.norm_groups, norm_type, _device())
+        return self._flat_norm_clip.local_stat(norm_type)
 
     def _flat_local_zeros(self) -> torch.Tensor:
         return ops.count_zeros_groups(self._flat.norm_groups, self._flat.padding, _device())
 
     def _flat_scale(self, total_norm: torch.Tensor, max_norm: float) -> None:
-        ops.scale_groups_(self._flat.scale_groups, ops.clip_coefficient(total_norm, max_norm))
+        self._flat_norm_clip.scale_by_norm_(total_norm, max_norm)
 
     @torch.no_grad()
     def get_grad_norm(self):

@@ -1,0 +1,161 @@
+"""Norm and clip over fixed flat-buffer spans, replayed as CUDA graphs on CUDA.
+
+The spans of a flat buffer never move, so the launches of a norm or a clip (one fused
+kernel per buffer plus a few scalar ops) are the same every step. :class:`NormClip` runs
+them eagerly the first time (Triton compiles, caches fill), captures them as a CUDA graph
+the second time, and from then on replays the graph: one host call instead of one per
+launch. The result is the same launches on the same data, so the same bits.
+
+Replay is skipped (plain eager launches) on the CPU, while a CUDA graph is being captured
+by the caller (the caller's capture then records the launches themselves), when
+``BUFFERS_CUDA_GRAPHS=0``, and for a sequence whose capture failed once (a warning says
+why). Results are returned as fresh tensors: a graph's output tensor is rewritten by the
+next replay, so it is never handed out.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+from . import ops
+
+_EAGER = object()  # marks a key whose capture failed: always run eagerly
+
+
+def graphs_enabled(device: torch.device) -> bool:
+    """Whether norm/clip on ``device`` may be replayed as CUDA graphs right now."""
+    if device.type != "cuda" or os.environ.get("BUFFERS_CUDA_GRAPHS", "1") == "0":
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+class GraphReplayer:
+    """Runs ``fn`` eagerly once per key, captures it the next time, then replays it.
+
+    ``fn`` must launch work on fixed tensors only and return one tensor (the graph's
+    output); callers copy that output before handing it out.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._graphs: dict[object, object] = {}
+        self._pool = None
+        self.captures = 0  # how many graphs were captured (tests and benchmarks read it)
+
+    def __call__(self, key, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        entry = self._graphs.get(key)
+        if entry is None or entry is _EAGER or not graphs_enabled(self.device):
+            if entry is None:
+                self._graphs[key] = "warm"
+            return fn()
+        if entry == "warm":
+            entry = self._capture(key, fn)
+            if entry is _EAGER:
+                return fn()
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _capture(self, key, fn):
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    out = fn()
+                finally:
+                    graph.capture_end()
+        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
+            warnings.warn(
+                f"buffers: could not capture {key!r} as a CUDA graph ({type(e).__name__}: "
+                f"{e}); running it with plain launches from now on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._graphs[key] = _EAGER
+            current.wait_stream(side)
+            return _EAGER
+        current.wait_stream(side)
+        self._graphs[key] = (graph, out)
+        self.captures += 1
+        return graph, out
+
+
+class NormClip:
+    """p-norm, clip and scale over fixed groups of views (one group per flat buffer).
+
+    Args:
+        norm_groups: per buffer, the views whose elements the norm counts.
+        scale_groups: per buffer, the views a clip scales.
+        device: where results live.
+    """
+
+    def __init__(
+        self,
+        norm_groups: Sequence[Sequence[torch.Tensor]],
+        scale_groups: Sequence[Sequence[torch.Tensor]],
+        device: torch.device,
+    ) -> None:
+        self.norm_groups = [list(g) for g in norm_groups]
+        self.scale_groups = [list(g) for g in scale_groups]
+        self.device = device
+        self.replay = GraphReplayer(device)
+        # Fixed inputs of the captured sequences: values are written before each replay.
+        self._norm_in = torch.zeros((), dtype=torch.float32, device=device)
+        self._max_in = torch.zeros((), dtype=torch.float32, device=device)
+        self._max_value: float | None = None
+        ops.prepare_groups(self.norm_groups + self.scale_groups)
+
+    def _stat(self, p: float) -> torch.Tensor:
+        return ops.local_power_stat(self.norm_groups, p, self.device)
+
+    def _set_max(self, max_norm: float) -> None:
+        # Inside a caller's capture a fill is only recorded, not run: fill, and forget the
+        # cached value. Otherwise one fill per change of max_norm, not one per step.
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing or max_norm != self._max_value:
+            self._max_in.fill_(max_norm)
+        self._max_value = None if capturing else max_norm
+
+    def local_stat(self, p: float) -> torch.Tensor:
+        """This rank's sum of |x|^p (max |x| for inf): fp32, 0-dim, a fresh tensor."""
+        return self.replay(("stat", p), lambda: self._stat(p)).clone()
+
+    def norm(self, p: float) -> torch.Tensor:
+        """The local p-norm (no reduction across ranks): a fresh tensor."""
+        return self.replay(("norm", p), lambda: ops.finish_norm(self._stat(p), p)).clone()
+
+    def clip_(self, max_norm: float, p: float) -> torch.Tensor:
+        """Local norm, then every scale view times ``min(max_norm / (norm + 1e-6), 1)``.
+
+        Returns the pre-clip norm (a fresh tensor).
+        """
+        self._set_max(max_norm)
+
+        def run() -> torch.Tensor:
+            total = ops.finish_norm(self._stat(p), p)
+            ops.scale_groups_(self.scale_groups, ops.clip_coefficient(total, self._max_in))
+            return total
+
+        return self.replay(("clip", p), run).clone()
+
+    def scale_by_norm_(self, total_norm: torch.Tensor, max_norm: float) -> None:
+        """Scale by the clip coefficient of a given (e.g. all-reduced) norm tensor."""
+        self._set_max(max_norm)
+        self._norm_in.copy_(total_norm)
+
+        def run() -> torch.Tensor:
+            coeff = ops.clip_coefficient(self._norm_in, self._max_in)
+            ops.scale_groups_(self.scale_groups, coeff)
+            return coeff
+
+        self.replay(("scale",), run)

@@ -1,0 +1,133 @@
+"""Norm and clip replayed as CUDA graphs (buffers/graphs.py), on one CUDA GPU.
+
+Every check runs on fresh random gradients at every call, so a graph that read stale data,
+stale inputs (max_norm) or handed out its own output tensor would fail.
+"""
+
+import math
+
+import pytest
+import torch
+
+from buffers import FlatGradBuffers, ops
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SHAPES = [
+    ((3, 5), torch.bfloat16),
+    ((1000,), torch.float32),
+    ((7, 129), torch.bfloat16),
+    ((33,), torch.float32),
+    ((4096, 3), torch.float16),
+]
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=dt, device="cuda")) for s, dt in SHAPES]
+    return params, FlatGradBuffers(params)
+
+
+def fill(params, gen):
+    for p in params:
+        p.grad.copy_(torch.randn(p.shape, generator=gen, device="cuda") * 3)
+
+
+def ref_norm(params):
+    return math.sqrt(sum(p.grad.double().square().sum().item() for p in params))
+
+
+def eager_norm(fgb):
+    stat = ops.local_power_stat(fgb._norm_groups, 2.0, fgb.device)
+    return ops.finish_norm(stat, 2.0)
+
+
+def test_norm_replays_live_data_and_matches_eager_bit_for_bit():
+    params, fgb = make()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    norms = []
+    for _ in range(6):
+        fill(params, gen)
+        got = fgb.grad_norm()
+        assert torch.equal(got, eager_norm(fgb))
+        assert float(got) == pytest.approx(ref_norm(params), rel=1e-5)
+        norms.append((got, float(got)))
+    assert fgb._norm_clip.replay.captures == 1
+    for tensor, value in norms:  # earlier results were not overwritten by later replays
+        assert float(tensor) == value
+
+
+@pytest.mark.parametrize("max_norms", [[1.0, 1.0, 5.0, 0.5, 1e9, 2.0, 2.0]])
+def test_clip_replays_with_changing_max_norm(max_norms):
+    params, fgb = make()
+    twin_params, twin = make()
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for max_norm in max_norms:
+        fill(params, gen)
+        for p, q in zip(params, twin_params, strict=True):
+            q.grad.copy_(p.grad)
+        want = [p.grad.double().clone() for p in params]
+        ref = ref_norm(params)
+        total = fgb.clip_grad_norm_(max_norm)
+        # eager reference with the same launches: twin's views, no graph
+        t_total = eager_norm(twin)
+        coeff = ops.clip_coefficient(t_total, torch.tensor(max_norm, device="cuda"))
+        ops.scale_groups_(twin._scale_groups, coeff)
+        assert torch.equal(total, t_total)
+        coeff64 = min(max_norm / (ref + 1e-6), 1.0)
+        for p, q, w in zip(params, twin_params, want, strict=True):
+            assert torch.equal(p.grad, q.grad)
+            tol = 1e-2 if p.dtype != torch.float32 else 1e-5
+            torch.testing.assert_close(p.grad.double(), w * coeff64, rtol=tol, atol=1e-6)
+        if max_norm >= ref:  # coefficient 1: bit-for-bit untouched
+            for p, w in zip(params, want, strict=True):
+                assert torch.equal(p.grad.double(), w)
+    assert fgb._norm_clip.replay.captures == 1
+
+
+def test_capture_and_replay_make_no_host_sync():
+    params, fgb = make()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    fill(params, gen)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):  # eager, capture, replay, replay
+            fgb.grad_norm()
+            fgb.clip_grad_norm_(1.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert fgb._norm_clip.replay.captures == 2
+
+
+def test_inside_a_callers_graph_capture_the_launches_are_recorded():
+    params, fgb = make()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    fill(params, gen)
+    fgb.clip_grad_norm_(1e9)  # warm up (Triton compiles) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fgb.clip_grad_norm_(0.5)
+    for _ in range(2):
+        fill(params, gen)
+        want = [p.grad.double().clone() for p in params]
+        ref = ref_norm(params)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert float(out) == pytest.approx(ref, rel=1e-5)
+        for p, w in zip(params, want, strict=True):
+            tol = 1e-2 if p.dtype != torch.float32 else 1e-5
+            torch.testing.assert_close(p.grad.double(), w * 0.5 / ref, rtol=tol, atol=1e-6)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("BUFFERS_CUDA_GRAPHS", "0")
+    params, fgb = make()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for _ in range(3):
+        fill(params, gen)
+        assert float(fgb.grad_norm()) == pytest.approx(ref_norm(params), rel=1e-5)
+    assert fgb._norm_clip.replay.captures == 0
