@@ -111,6 +111,7 @@ class NormClip:
         self.replay = GraphReplayer(device)
         # Fixed inputs of the captured sequences: values are written before each replay.
         self._norm_in = torch.zeros((), dtype=torch.float32, device=device)
+        self._stat_in = torch.zeros((), dtype=torch.float32, device=device)
         self._max_in = torch.zeros((), dtype=torch.float32, device=device)
         self._max_value: float | None = None
         ops.prepare_groups(self.norm_groups + self.scale_groups)
@@ -147,6 +148,30 @@ class NormClip:
             return total
 
         return self.replay(("clip", p), run).clone()
+
+    def clip_reduced_(
+        self,
+        max_norm: float,
+        p: float,
+        reduce: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Like :meth:`clip_` with ``reduce`` (e.g. an all-reduce) applied to the local stat.
+
+        Two replays around the reduction: the local stat (into a fixed tensor), then norm,
+        coefficient and scale. Returns the pre-clip norm (a fresh tensor).
+        """
+        self._set_max(max_norm)
+        self.replay(("stat_in", p), lambda: self._stat_in.copy_(self._stat(p)))
+        reduced = reduce(self._stat_in)
+        if reduced is not self._stat_in:  # an out-of-place reduction (the inf-norm's)
+            self._stat_in.copy_(reduced)
+
+        def run() -> torch.Tensor:
+            total = ops.finish_norm(self._stat_in, p)
+            ops.scale_groups_(self.scale_groups, ops.clip_coefficient(total, self._max_in))
+            return total
+
+        return self.replay(("finish_scale", p), run).clone()
 
     def scale_by_norm_(self, total_norm: torch.Tensor, max_norm: float) -> None:
         """Scale by the clip coefficient of a given (e.g. all-reduced) norm tensor."""

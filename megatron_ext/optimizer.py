@@ -253,11 +253,17 @@ class FlatNormOptimizer:
         )
         return ops.finish_norm(stat, 2.0)
 
+    def _flat_clip(self, clip_grad: float) -> torch.Tensor:
+        """Norm over this optimizer's group, then scale: one fused sequence, no sync."""
+        group = self.get_grad_stats_parallel_group()
+        return self._flat_norm_clip.clip_reduced_(
+            clip_grad, 2.0, lambda stat: ops.all_reduce_stat(stat, 2.0, group)
+        )
+
     def clip_grad_norm(self, clip_grad: float):
-        grad_norm = self.get_grad_norm()
         if clip_grad > 0.0:
-            self._flat_scale(grad_norm, clip_grad)
-        return grad_norm
+            return self._flat_clip(clip_grad)
+        return self.get_grad_norm()
 
     def count_zeros(self):
         zeros = self._flat_local_zeros()
@@ -334,6 +340,8 @@ class FlatChainedOptimizer:
 
     def clip_grad_norm(self, clip_grad: float):
         """The global norm over every child; then each child's gradients scaled, on device."""
+        if len(self.chained_optimizers) == 1:
+            return self.chained_optimizers[0].clip_grad_norm(clip_grad)
         grad_norm = self.get_grad_norm()
         if clip_grad > 0.0:
             for child in self._active():
@@ -356,13 +364,17 @@ class FlatChainedOptimizer:
     def step(self):
         if self.prepare_grads():
             return False, None, None
-        grad_norm = self.get_grad_norm()
+        children = [c for c in self._active() if c._flat.targets]
+        if len(self.chained_optimizers) == 1 and children and children[0].config.clip_grad > 0:
+            # One child: norm and clip as one fused sequence around the all-reduce.
+            grad_norm = children[0]._flat_clip(children[0].config.clip_grad)
+        else:
+            grad_norm = self.get_grad_norm()
+            for child in children:
+                if child.config.clip_grad > 0.0:
+                    child._flat_scale(grad_norm, child.config.clip_grad)
         skip = False
-        for child in self._active():
-            if not child._flat.targets:
-                continue
-            if child.config.clip_grad > 0.0:
-                child._flat_scale(grad_norm, child.config.clip_grad)
+        for child in children:
             threshold = child.config.grad_norm_skip_threshold
             if math.isfinite(threshold) and grad_norm.item() > threshold:
                 skip = True  # the one host sync, only when a threshold is set (as stock)
