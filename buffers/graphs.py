@@ -112,6 +112,7 @@ class NormClip:
         # Fixed inputs of the captured sequences: values are written before each replay.
         self._norm_in = torch.zeros((), dtype=torch.float32, device=device)
         self._stat_in = torch.zeros((), dtype=torch.float32, device=device)
+        self.inverse_coeff = torch.ones((), dtype=torch.float32, device=device)
         self._max_in = torch.zeros((), dtype=torch.float32, device=device)
         self._max_value: float | None = None
         ops.prepare_groups(self.norm_groups + self.scale_groups)
@@ -148,6 +149,37 @@ class NormClip:
             return total
 
         return self.replay(("clip", p), run).clone()
+
+    def fold_(self, max_norm: float, p: float, total_norm: torch.Tensor | None = None):
+        """Write ``1 / clip coefficient`` into :attr:`inverse_coeff`; return the norm.
+
+        For optimizers that divide gradients by a device scalar as they read them (torch's
+        fused Adam/AdamW ``grad_scale``): clipping without a pass of its own. With
+        ``total_norm`` given (e.g. all-reduced) it is used; else the local norm is computed.
+        Returns the pre-clip norm (a fresh tensor).
+        """
+        self._set_max(max_norm)
+
+        def inverse(total: torch.Tensor) -> None:
+            # 1 / min(max / (norm + 1e-6), 1) = max((norm + 1e-6) / max, 1)
+            self.inverse_coeff.copy_(torch.clamp((total + 1e-6) / self._max_in, min=1.0))
+
+        if total_norm is not None:
+            self._norm_in.copy_(total_norm)
+
+            def run_given() -> torch.Tensor:
+                inverse(self._norm_in)
+                return self.inverse_coeff
+
+            self.replay(("fold_given",), run_given)
+            return total_norm
+
+        def run() -> torch.Tensor:
+            total = ops.finish_norm(self._stat(p), p)
+            inverse(total)
+            return total
+
+        return self.replay(("fold", p), run).clone()
 
     def clip_reduced_(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -82,6 +83,7 @@ class FlatGradBuffers:
         self._views: dict[int, torch.Tensor] = {}
         self._param_by_id = {id(p): p for _, p in self._params}
         self._escaped: dict[int, str] = {}
+        self._checked_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         for dt, b in self.plan.buffers.items():
             for slot in b.slots:
                 name, p = self._params[slot.index]
@@ -223,6 +225,63 @@ class FlatGradBuffers:
             )
         self._norm_clip.scale_by_norm_(total, float(max_norm))
         return total
+
+    def clipped_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        group=None,
+    ) -> torch.Tensor:
+        """Clip to ``max_norm``, then ``optimizer.step()``; returns the pre-clip norm.
+
+        With torch's fused Adam or AdamW (``fused=True``) the clip is folded into the
+        optimizer's own read of the gradients: the inverse coefficient goes in as its
+        ``grad_scale`` (a device scalar the fused kernel divides gradients by, as it does
+        for ``GradScaler``), so there is no separate scale launch reading and writing the
+        gradients; torch's kernel writes the divided gradients back, so ``.grad`` ends up
+        clipped as after an explicit clip. Any other optimizer gets ``clip_grad_norm_``
+        and then ``step()``. Either way every parameter the optimizer holds must have its
+        gradient in these buffers, or the norm would not count it (``ValueError``).
+        """
+        self._check_optimizer_params(optimizer)
+        if not self._can_fold(optimizer):
+            total = self.clip_grad_norm_(max_norm, norm_type, group)
+            optimizer.step()
+            return total
+        self._raise_if_escaped()
+        p = ops.check_norm_type(norm_type)
+        given = None if group is None else self.grad_norm(p, group)
+        total = self._norm_clip.fold_(float(max_norm), p, given)
+        optimizer.grad_scale = self._norm_clip.inverse_coeff
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale
+        return total
+
+    @staticmethod
+    def _can_fold(optimizer) -> bool:
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            return False
+        if hasattr(optimizer, "grad_scale") or hasattr(optimizer, "found_inf"):
+            return False  # a GradScaler is already using the hook
+        return all(g.get("fused") for g in optimizer.param_groups)
+
+    def _check_optimizer_params(self, optimizer) -> None:
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        if self._checked_optimizers.get(optimizer) == count:
+            return  # checked before, and no parameter added since
+        for gi, g in enumerate(optimizer.param_groups):
+            for pi, q in enumerate(g["params"]):
+                if q.requires_grad and id(q) not in self._param_by_id:
+                    raise ValueError(
+                        f"optimizer parameter {pi} of param group {gi} (shape "
+                        f"{tuple(q.shape)}, {q.dtype}) is not in these FlatGradBuffers, so "
+                        "the norm would not count its gradient; build FlatGradBuffers over "
+                        "every parameter the optimizer updates"
+                    )
+        self._checked_optimizers[optimizer] = count
 
     def count_zeros(self, group=None) -> torch.Tensor:
         """Number of zero elements among counted gradients (padding excluded), int64."""

@@ -97,3 +97,19 @@ def test_norm_clip_registry_hook_adds_a_row(tmp_path, monkeypatch):
     paths = {(r["inventory"], r["variant"], r["path"]) for r in records}
     assert ("deepseek_moe", "flat", "megatron_spans") in paths
     assert ("deepseek_moe", "flat", None) in paths
+
+
+def test_clip_step_rows_and_folded_agreement(tmp_path):
+    script = load_script("clip_step")
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--bytes", "65536"]
+    returned = script.main(argv + ["--warmup", "0", "--reps", "1"])
+    records = read_outputs(tmp_path, "clip_step")
+    assert records == json.loads(json.dumps(returned))
+    assert [r["variant"] for r in records] == list(script.VARIANTS)
+    for r in records:
+        assert set(script.RECORD_FIELDS) <= set(r)
+        assert r["error"] is None and r["time_s"] > 0
+    folded = records[-1]
+    # the folded clip leaves the same clipped gradients as the explicit one (bf16 rounding)
+    assert folded["grad_rel_err"] < 2**-7
+    assert records[1]["clip_cost_s"] == records[1]["time_s"] - records[0]["time_s"]

@@ -1,0 +1,172 @@
+"""Clip + optimizer step: an explicit clip before fused AdamW, against the clip folded in.
+
+Stretch of issue 6. Three ways to run one step of torch's fused AdamW over the dense
+GPT-like inventory's gradients, all in ``FlatGradBuffers``:
+
+- ``step``: ``optimizer.step()`` alone, no clipping (the lower bound);
+- ``clip+step``: ``fgb.clip_grad_norm_(max_norm)`` then ``optimizer.step()``;
+- ``folded``: ``fgb.clipped_step(optimizer, max_norm)``: the norm pass, then the step with
+  the clip coefficient as the fused kernel's ``grad_scale`` (no separate scale launch).
+
+Each row's ``clip cost`` is its time minus ``step``'s, and is compared with the norm pass's
+floor (bytes / copy bandwidth, measured in the same run) as ``clip / floor``. Timing is
+device time (CUDA events) on CUDA, ``perf_counter`` on the CPU. Timed calls use
+``max_norm=0``: the coefficient is 0 at every call, so the scale can never take its
+early exit (a clip that converged to a coefficient of 1 would time a no-op). Agreement of
+folded and explicit is checked separately, with a positive max_norm.
+
+Record fields: inventory, variant, device, num_params, bytes, max_norm, time_s, time_kind,
+clip_cost_s, norm_floor_s, clip_per_floor, grad_rel_err (on ``folded`` only: its clipped
+gradients against the explicit clip's, relative to their largest value), error, error_at.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, find the repo
+
+import torch  # noqa: E402
+
+from benchmarks import common, inventories  # noqa: E402
+from buffers import FlatGradBuffers  # noqa: E402
+
+RECORD_FIELDS = (
+    "inventory", "variant", "device", "num_params", "bytes", "max_norm", "time_s",
+    "time_kind", "clip_cost_s", "norm_floor_s", "clip_per_floor", "grad_rel_err", "error",
+    "error_at",
+)  # fmt: skip
+VARIANTS = ("step", "clip+step", "folded")
+AUTO_BYTES = {"cpu": 8 * 2**20, "cuda": 2 * 2**30}
+TIMED_MAX_NORM = 0.0  # coefficient 0 every call: the scale always runs
+CHECK_MAX_NORM = 1.0  # far below the norm of unit-normal gradients: coefficient in (0, 1)
+
+
+def parse_args(argv: list[str] | None):
+    ap = common.base_parser(__doc__.splitlines()[0])
+    ap.add_argument(
+        "--bytes",
+        type=int,
+        default=None,
+        help="gradient bytes of the inventory (default: 8 MiB on the CPU, 2 GiB on CUDA)",
+    )
+    return ap.parse_args(argv)
+
+
+def build(inv, device: torch.device, seed: int = 0):
+    """Parameters with real storage, their FlatGradBuffers and a fused AdamW."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = []
+    for e in inv.entries:
+        p = torch.empty(e.shape, dtype=e.dtype, device=device)
+        p.normal_(generator=gen)
+        params.append(torch.nn.Parameter(p))
+    fgb = FlatGradBuffers(params)
+    for p in params:
+        p.grad.normal_(generator=gen)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return params, fgb, opt
+
+
+def call_of(variant: str, fgb, opt, max_norm: float = TIMED_MAX_NORM):
+    if variant == "step":
+        return opt.step
+    if variant == "clip+step":
+        return lambda: (fgb.clip_grad_norm_(max_norm), opt.step())
+    return lambda: fgb.clipped_step(opt, max_norm)
+
+
+def agreement(inv, device: torch.device) -> float:
+    """Max |folded - explicit| / max |explicit| of the clipped gradients after one step.
+
+    torch's fused kernel writes the gradients it divided by ``grad_scale`` back, so both
+    routes leave clipped gradients behind: the direct check of the clip. (Parameters are
+    not compared: Adam's first step is nearly blind to a constant gradient scale.)
+    """
+    grads = []
+    for variant in ("clip+step", "folded"):
+        params, fgb, opt = build(inv, device)
+        call_of(variant, fgb, opt, CHECK_MAX_NORM)()
+        grads.append([p.grad.detach().double() for p in params])
+    explicit, folded = grads
+    diff = max((a - b).abs().max().item() for a, b in zip(explicit, folded, strict=True))
+    return diff / max(a.abs().max().item() for a in explicit)
+
+
+def run(args, device: torch.device) -> list[dict]:
+    warmup, reps = common.repeats(args, device)
+    target = args.bytes or AUTO_BYTES[device.type]
+    dense = lambda s: inventories.dense_stage("dense_gpt", inventories.GPT_STAGE, s)  # noqa: E731
+    inv = dense(inventories.fit_scale(dense, target))
+    print(inventories.describe([inv]), file=sys.stderr)
+    bandwidth = common.copy_bandwidth(inv.nbytes, device, warmup, reps)
+    floor = inv.nbytes / bandwidth
+    records = []
+    for variant in common.progress(list(VARIANTS), "clip_step"):
+        rec = {
+            "inventory": inv.name, "variant": variant, "device": device.type,
+            "num_params": len(inv.entries), "bytes": inv.nbytes, "max_norm": TIMED_MAX_NORM,
+            "time_kind": "cuda_events" if device.type == "cuda" else "perf_counter",
+            "norm_floor_s": floor, "time_s": None, "clip_cost_s": None,
+            "clip_per_floor": None, "grad_rel_err": None, "error": None, "error_at": None,
+        }  # fmt: skip
+        try:
+            params, fgb, opt = build(inv, device)
+            rec["time_s"] = common.device_time(call_of(variant, fgb, opt), device, warmup, reps)
+            del params, fgb, opt
+            if variant == "folded":
+                rec["grad_rel_err"] = agreement(inv, device)
+        except Exception as e:  # noqa: BLE001 - a failing row is reported, not fatal
+            rec |= common.error_fields(e)
+        records.append(rec)
+    base = records[0]["time_s"]
+    for rec in records[1:]:
+        if rec["time_s"] is not None and base is not None:
+            rec["clip_cost_s"] = rec["time_s"] - base
+            rec["clip_per_floor"] = rec["clip_cost_s"] / floor
+    return records
+
+
+def _ms(v: float) -> str:
+    return f"{v * 1e3:.3f}"
+
+
+TABLE = (
+    common.Column("inventory", "inventory"),
+    common.Column("variant", "variant"),
+    common.Column("MiB", "bytes", lambda v: f"{v / 2**20:.1f}"),
+    common.Column("time ms", "time_s", _ms),
+    common.Column("clip cost ms", "clip_cost_s", _ms),
+    common.Column("norm floor ms", "norm_floor_s", _ms),
+    common.Column("clip / floor", "clip_per_floor", lambda v: f"{v:.2f}"),
+    common.Column("folded vs explicit", "grad_rel_err", lambda v: f"{v:.1e}"),
+    common.Column("error", "error", lambda v: v.splitlines()[0][:48]),
+)
+
+
+def plot(records: list[dict], out: Path) -> Path:
+    fig, (ax,) = common.new_figure(1)
+    rows = [r for r in records if r["time_s"] is not None]
+    ax.bar([r["variant"] for r in rows], [r["time_s"] * 1e3 for r in rows])
+    if rows:
+        ax.axhline(rows[0]["norm_floor_s"] * 1e3, color="gray", ls="--", label="norm floor")
+        ax.legend()
+    ax.set_ylabel("ms per step")
+    ax.set_title("fused AdamW step: explicit clip vs folded clip")
+    return common.save_figure(fig, out, "clip_step")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    device = common.resolve_device(args.device)
+    records = run(args, device)
+    json_path = common.write_json(records, args.out, "clip_step")
+    png_path = plot(records, args.out)
+    print(f"wrote {json_path} and {png_path}", file=sys.stderr)
+    print(common.format_table(records, TABLE))
+    return records
+
+
+if __name__ == "__main__":
+    main()
