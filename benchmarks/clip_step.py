@@ -5,8 +5,9 @@ GPT-like inventory's gradients, all in ``FlatGradBuffers``:
 
 - ``step``: ``optimizer.step()`` alone, no clipping (the lower bound);
 - ``clip+step``: ``fgb.clip_grad_norm_(max_norm)`` then ``optimizer.step()``;
-- ``folded``: ``fgb.clipped_step(optimizer, max_norm)``: the norm pass, then the step with
-  the clip coefficient as the fused kernel's ``grad_scale`` (no separate scale launch).
+- ``folded``: ``fgb.clipped_step(optimizer, max_norm, fold=True)``: the norm pass, then
+  the step with the clip coefficient as the fused kernel's ``grad_scale`` (no separate
+  scale launch).
 
 Each row's ``clip cost`` is its time minus ``step``'s, and is compared with the norm pass's
 floor (bytes / copy bandwidth, measured in the same run) as ``clip / floor``. Timing is
@@ -74,7 +75,7 @@ def call_of(variant: str, fgb, opt, max_norm: float = TIMED_MAX_NORM):
         return opt.step
     if variant == "clip+step":
         return lambda: (fgb.clip_grad_norm_(max_norm), opt.step())
-    return lambda: fgb.clipped_step(opt, max_norm)
+    return lambda: fgb.clipped_step(opt, max_norm, fold=True)
 
 
 def agreement(inv, device: torch.device) -> float:

@@ -232,20 +232,25 @@ class FlatGradBuffers:
         max_norm: float,
         norm_type: float = 2.0,
         group=None,
+        fold: bool = False,
     ) -> torch.Tensor:
         """Clip to ``max_norm``, then ``optimizer.step()``; returns the pre-clip norm.
 
-        With torch's fused Adam or AdamW (``fused=True``) the clip is folded into the
+        With ``fold=True`` and torch's fused Adam or AdamW (``fused=True``) the clip is
+        folded into the
         optimizer's own read of the gradients: the inverse coefficient goes in as its
         ``grad_scale`` (a device scalar the fused kernel divides gradients by, as it does
         for ``GradScaler``), so there is no separate scale launch reading and writing the
         gradients; torch's kernel writes the divided gradients back, so ``.grad`` ends up
-        clipped as after an explicit clip. Any other optimizer gets ``clip_grad_norm_``
+        clipped as after an explicit clip. Measured on an H200 with torch 2.11
+        (``benchmarks/clip_step.py``, docs/RESULTS.md) folding was *slower* than the
+        explicit clip (4.9 ms against 3.3 ms on top of the step for 2 GiB of gradients), so
+        it is off by default. Otherwise, and for any other optimizer: ``clip_grad_norm_``
         and then ``step()``. Either way every parameter the optimizer holds must have its
         gradient in these buffers, or the norm would not count it (``ValueError``).
         """
         self._check_optimizer_params(optimizer)
-        if not self._can_fold(optimizer):
+        if not (fold and self._can_fold(optimizer)):
             total = self.clip_grad_norm_(max_norm, norm_type, group)
             optimizer.step()
             return total

@@ -50,7 +50,7 @@ def test_folded_clip_matches_fp64_adamw(device, max_norm):
         grads = [p.grad.detach().double().clone() for p in params]
         ref_norm = math.sqrt(sum(g.square().sum().item() for g in grads))
         coeff = min(max_norm / (ref_norm + 1e-6), 1.0)
-        total = fgb.clipped_step(opt, max_norm)
+        total = fgb.clipped_step(opt, max_norm, fold=True)
         assert float(total) == pytest.approx(ref_norm, rel=1e-6)
         assert not hasattr(opt, "grad_scale")
         new_state = []
@@ -73,7 +73,7 @@ def test_folded_with_coefficient_one_is_bitwise_a_plain_step(device):
         fill(params, seed=step)
         for p, q in zip(params, twins, strict=True):
             q.grad = p.grad.detach().clone()
-        fgb.clipped_step(opt, 1e9)
+        fgb.clipped_step(opt, 1e9, fold=True)
         ref.step()
         for p, q in zip(params, twins, strict=True):
             assert torch.equal(p, q)
@@ -99,7 +99,7 @@ def test_non_fused_adam_is_not_folded(device):
     opt = torch.optim.Adam(params, lr=1e-3, foreach=False)
     assert not FlatGradBuffers._can_fold(opt)
     fill(params, seed=4)
-    fgb.clipped_step(opt, 0.5)
+    fgb.clipped_step(opt, 0.5, fold=True)  # asked for, but this optimizer cannot fold
     norm_after = math.sqrt(sum(p.grad.double().square().sum().item() for p in params))
     assert norm_after == pytest.approx(0.5, rel=1e-5)  # the explicit clip rewrote them
 
@@ -112,7 +112,7 @@ def test_optimizer_with_a_parameter_outside_the_buffers_is_refused(device):
     stranger.grad = torch.ones(5, device=device)
     before = [p.detach().clone() for p in params]
     with pytest.raises(ValueError, match=r"parameter 3 of param group 0 \(shape \(5,\)"):
-        fgb.clipped_step(opt, 1.0)
+        fgb.clipped_step(opt, 1.0, fold=True)
     for p, b in zip(params, before, strict=True):  # refused before anything stepped
         assert torch.equal(p, b)
     assert torch.equal(stranger, torch.zeros(5, device=device))
@@ -129,5 +129,25 @@ def test_step_error_still_removes_grad_scale(device):
 
     opt.step = broken_step
     with pytest.raises(RuntimeError, match="boom"):
-        fgb.clipped_step(opt, 1.0)
+        fgb.clipped_step(opt, 1.0, fold=True)
     assert not hasattr(opt, "grad_scale")
+
+
+def test_default_does_not_fold_even_for_fused_adamw(device):
+    params, fgb = make(device)
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    fill(params, seed=7)
+    grads = [p.grad.detach().double().clone() for p in params]
+    ref_norm = math.sqrt(sum(g.square().sum().item() for g in grads))
+    seen = {}
+    real_step = opt.step
+
+    def watching_step(*args, **kwargs):
+        seen["grad_scale"] = hasattr(opt, "grad_scale")
+        seen["norm"] = math.sqrt(sum(p.grad.double().square().sum().item() for p in params))
+        return real_step(*args, **kwargs)
+
+    opt.step = watching_step
+    fgb.clipped_step(opt, 0.5)
+    assert seen["grad_scale"] is False  # explicit: gradients already clipped before step
+    assert seen["norm"] == pytest.approx(0.5 * ref_norm / (ref_norm + 1e-6), rel=1e-5)
