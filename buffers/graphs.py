@@ -38,29 +38,74 @@ class GraphReplayer:
 
     ``fn`` must launch work on fixed tensors only and return one tensor (the graph's
     output); callers copy that output before handing it out.
+
+    A graph holds raw device addresses. ``sources`` are tensors whose storage the captured
+    work reads or writes (the flat buffers): when any of them has moved or been resized
+    since the capture (megatron-core's ``offload_grad_buffers`` / ``restore_grad_buffers``
+    free and reallocate the gradient storage under the same tensors), every graph is
+    dropped and re-captured, so a replay never touches freed memory.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, sources: Sequence[torch.Tensor] = ()) -> None:
         self.device = device
         self._graphs: dict[object, object] = {}
         self._pool = None
         self.captures = 0  # how many graphs were captured (tests and benchmarks read it)
+        self.invalidations = 0  # how many times moved storage dropped the graphs
+        reps: dict[int, torch.Tensor] = {}
+        for t in sources:  # one tensor per distinct storage
+            reps.setdefault(t.untyped_storage().data_ptr(), t)
+        self._sources = list(reps.values())
+        self._captured_at: tuple | None = None
+
+    def _storage_signature(self) -> tuple:
+        out = []
+        for t in self._sources:
+            storage = t.untyped_storage()
+            out.append((storage.data_ptr(), storage.nbytes()))
+        return tuple(out)
 
     def __call__(self, key, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if not graphs_enabled(self.device):
+            self._graphs.setdefault(key, "warm")
+            return fn()
+        if self._captured_at is not None and self._storage_signature() != self._captured_at:
+            self._graphs.clear()  # storage moved: the graphs' addresses are stale
+            self._captured_at = None
+            self.invalidations += 1
         entry = self._graphs.get(key)
-        if entry is None or entry is _EAGER or not graphs_enabled(self.device):
+        if entry is None or entry is _EAGER:
             if entry is None:
                 self._graphs[key] = "warm"
             return fn()
         if entry == "warm":
+            signature = self._storage_signature()
             entry = self._capture(key, fn)
             if entry is _EAGER:
                 return fn()
+            self._captured_at = signature
         graph, out = entry
         graph.replay()
         return out
 
     def _capture(self, key, fn):
+        try:
+            graph, out = self._record(fn)
+        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
+            warnings.warn(
+                f"buffers: could not capture {key!r} as a CUDA graph ({type(e).__name__}: "
+                f"{e}); running it with plain launches from now on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._graphs[key] = _EAGER
+            return _EAGER
+        self._graphs[key] = (graph, out)
+        self.captures += 1
+        return graph, out
+
+    def _record(self, fn):
+        """Capture ``fn``'s launches on a side stream: ``(graph, output tensor)``."""
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
@@ -74,19 +119,8 @@ class GraphReplayer:
                     out = fn()
                 finally:
                     graph.capture_end()
-        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
-            warnings.warn(
-                f"buffers: could not capture {key!r} as a CUDA graph ({type(e).__name__}: "
-                f"{e}); running it with plain launches from now on",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self._graphs[key] = _EAGER
+        finally:
             current.wait_stream(side)
-            return _EAGER
-        current.wait_stream(side)
-        self._graphs[key] = (graph, out)
-        self.captures += 1
         return graph, out
 
 
@@ -108,7 +142,8 @@ class NormClip:
         self.norm_groups = [list(g) for g in norm_groups]
         self.scale_groups = [list(g) for g in scale_groups]
         self.device = device
-        self.replay = GraphReplayer(device)
+        sources = [v for g in self.norm_groups + self.scale_groups for v in g]
+        self.replay = GraphReplayer(device, sources)
         # Fixed inputs of the captured sequences: values are written before each replay.
         self._norm_in = torch.zeros((), dtype=torch.float32, device=device)
         self._stat_in = torch.zeros((), dtype=torch.float32, device=device)

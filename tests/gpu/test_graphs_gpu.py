@@ -131,3 +131,32 @@ def test_disabled_by_environment(monkeypatch):
         fill(params, gen)
         assert float(fgb.grad_norm()) == pytest.approx(ref_norm(params), rel=1e-5)
     assert fgb._norm_clip.replay.captures == 0
+
+
+def test_storage_freed_and_reallocated_under_the_views_recaptures():
+    """megatron-core's offload_grad_buffers/restore_grad_buffers: same tensors, new memory."""
+    params, fgb = make()
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for _ in range(3):
+        fill(params, gen)
+        fgb.clip_grad_norm_(1.0)
+    assert fgb._norm_clip.replay.captures == 1
+    for buf in fgb.buffers.values():
+        storage = buf.untyped_storage()
+        nbytes = storage.nbytes()
+        storage.resize_(0)
+    blockers = [torch.empty(b.numel(), dtype=b.dtype, device="cuda") for b in fgb.buffers.values()]
+    for buf in fgb.buffers.values():
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+    assert blockers and nbytes > 0
+    for _ in range(3):
+        fill(params, gen)
+        want = [p.grad.double().clone() for p in params]
+        ref = ref_norm(params)
+        total = fgb.clip_grad_norm_(1.0)
+        assert float(total) == pytest.approx(ref, rel=1e-5)
+        for p, w in zip(params, want, strict=True):
+            tol = 1e-2 if p.dtype != torch.float32 else 1e-5
+            torch.testing.assert_close(p.grad.double(), w / ref, rtol=tol, atol=1e-6)
+    assert fgb._norm_clip.replay.invalidations == 1
+    assert fgb._norm_clip.replay.captures == 2
