@@ -139,8 +139,8 @@ def device_time(fn: Callable[[], Any], device: torch.device, warmup: int, reps: 
     return statistics.median(times)
 
 
-def host_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    """Median wall seconds to issue one call of ``fn``, without synchronizing after it.
+def host_times(fn: Callable[[], Any], device: torch.device, reps: int) -> list[float]:
+    """Wall seconds to issue each of ``reps`` calls of ``fn``, without synchronizing after.
 
     Args:
         fn: the call to measure.
@@ -148,7 +148,7 @@ def host_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
         reps: calls measured (fewer when slow, see :func:`affordable_reps`).
 
     Returns:
-        The median, in seconds.
+        One time per call, in call order.
     """
     reps = affordable_reps(fn, device, reps)
     times = []
@@ -158,7 +158,18 @@ def host_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     synchronize(device)
-    return statistics.median(times)
+    return times
+
+
+def host_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """The median of :func:`host_times`, in seconds."""
+    return statistics.median(host_times(fn, device, reps))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int | None:

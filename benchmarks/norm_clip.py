@@ -17,7 +17,8 @@ scale alone is at the floor when ``clip`` is at its floor.
 
 Writes DIR/norm_clip.json, one record per (inventory, variant, op), fields:
 ``inventory, series ("model" | "scaling"), variant, path, op, device, num_params, bytes,
-max_norm, time_s, time_kind ("cuda_events" | "perf_counter"), host_time_s, bandwidth_Bps,
+max_norm, time_s, time_kind ("cuda_events" | "perf_counter"), host_time_s (median),
+host_time_p10_s, host_time_p90_s, bandwidth_Bps,
 floor_s, ratio (time_s / floor_s), host_syncs (null on the CPU), norm, norm_ref (fp64),
 rel_err, note, error, error_at``; and DIR/norm_clip.png.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -50,7 +52,8 @@ OPS: dict[str, tuple[float | None, int]] = {
 }
 RECORD_FIELDS = (
     "inventory", "series", "variant", "path", "op", "device", "num_params", "bytes", "max_norm",
-    "time_s", "time_kind", "host_time_s", "bandwidth_Bps", "floor_s", "ratio", "host_syncs",
+    "time_s", "time_kind", "host_time_s", "host_time_p10_s", "host_time_p90_s",
+    "bandwidth_Bps", "floor_s", "ratio", "host_syncs",
     "norm", "norm_ref", "rel_err", "note", "error", "error_at",
 )  # fmt: skip
 SEED = 1234
@@ -167,8 +170,17 @@ def measure(prep: Prepared, op: str, device: torch.device, warmup: int, reps: in
         "norm_ref": ref,
         "rel_err": abs(norm - ref) / ref,
         "time_s": common.device_time(call, device, warmup, reps),
-        "host_time_s": common.host_time(call, device, reps),
+        **_host_fields(common.host_times(call, device, reps)),
         "host_syncs": common.count_host_syncs(call, device),
+    }
+
+
+def _host_fields(times: list[float]) -> dict:
+    """Median host time, and its 10th and 90th percentiles (how noisy the machine was)."""
+    return {
+        "host_time_s": statistics.median(times),
+        "host_time_p10_s": common.percentile(times, 10),
+        "host_time_p90_s": common.percentile(times, 90),
     }
 
 

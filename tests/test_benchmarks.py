@@ -113,3 +113,20 @@ def test_clip_step_rows_and_folded_agreement(tmp_path):
     # the folded clip leaves the same clipped gradients as the explicit one (bf16 rounding)
     assert folded["grad_rel_err"] < 2**-7
     assert records[1]["clip_cost_s"] == records[1]["time_s"] - records[0]["time_s"]
+
+
+def test_percentile_nearest_rank():
+    common = load_script("common")
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert common.percentile(values, 0) == 1.0
+    assert common.percentile(values, 50) == 3.0
+    assert common.percentile(values, 100) == 5.0
+    assert common.percentile([7.0], 90) == 7.0
+
+
+def test_norm_clip_host_percentiles_bracket_the_median(norm_clip_run):
+    _, _, records = norm_clip_run
+    timed = [r for r in records if r["host_time_s"] is not None]
+    assert timed
+    for r in timed:
+        assert r["host_time_p10_s"] <= r["host_time_s"] <= r["host_time_p90_s"]
