@@ -163,6 +163,11 @@ class NormClip:
             self._max_in.fill_(max_norm)
         self._max_value = None if capturing else max_norm
 
+    def _clip_to_max(self, total: torch.Tensor) -> torch.Tensor:
+        """Scale every scale view by the clip coefficient of ``total``; returns ``total``."""
+        ops.scale_groups_(self.scale_groups, ops.clip_coefficient(total, self._max_in))
+        return total
+
     def local_stat(self, p: float) -> torch.Tensor:
         """This rank's sum of |x|^p (max |x| for inf): fp32, 0-dim, a fresh tensor."""
         return self.replay(("stat", p), lambda: self._stat(p)).clone()
@@ -179,9 +184,7 @@ class NormClip:
         self._set_max(max_norm)
 
         def run() -> torch.Tensor:
-            total = ops.finish_norm(self._stat(p), p)
-            ops.scale_groups_(self.scale_groups, ops.clip_coefficient(total, self._max_in))
-            return total
+            return self._clip_to_max(ops.finish_norm(self._stat(p), p))
 
         return self.replay(("clip", p), run).clone()
 
@@ -234,9 +237,7 @@ class NormClip:
             self._stat_in.copy_(reduced)
 
         def run() -> torch.Tensor:
-            total = ops.finish_norm(self._stat_in, p)
-            ops.scale_groups_(self.scale_groups, ops.clip_coefficient(total, self._max_in))
-            return total
+            return self._clip_to_max(ops.finish_norm(self._stat_in, p))
 
         return self.replay(("finish_scale", p), run).clone()
 
@@ -244,10 +245,4 @@ class NormClip:
         """Scale by the clip coefficient of a given (e.g. all-reduced) norm tensor."""
         self._set_max(max_norm)
         self._norm_in.copy_(total_norm)
-
-        def run() -> torch.Tensor:
-            coeff = ops.clip_coefficient(self._norm_in, self._max_in)
-            ops.scale_groups_(self.scale_groups, coeff)
-            return coeff
-
-        self.replay(("scale",), run)
+        self.replay(("scale",), lambda: self._clip_to_max(self._norm_in))

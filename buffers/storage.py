@@ -237,12 +237,11 @@ class FlatGradBuffers:
         """Clip to ``max_norm``, then ``optimizer.step()``; returns the pre-clip norm.
 
         With ``fold=True`` and torch's fused Adam or AdamW (``fused=True``) the clip is
-        folded into the
-        optimizer's own read of the gradients: the inverse coefficient goes in as its
-        ``grad_scale`` (a device scalar the fused kernel divides gradients by, as it does
-        for ``GradScaler``), so there is no separate scale launch reading and writing the
-        gradients; torch's kernel writes the divided gradients back, so ``.grad`` ends up
-        clipped as after an explicit clip. Measured on an H200 with torch 2.11
+        folded into the optimizer's own read of the gradients: the inverse coefficient goes
+        in as its ``grad_scale`` (a device scalar the fused kernel divides gradients by, as
+        it does for ``GradScaler``), so there is no separate scale launch reading and
+        writing the gradients; torch's kernel writes the divided gradients back, so
+        ``.grad`` ends up clipped as after an explicit clip. Measured on an H200 with torch 2.11
         (``benchmarks/clip_step.py``, docs/RESULTS.md) folding was *slower* than the
         explicit clip (4.9 ms against 3.3 ms on top of the step for 2 GiB of gradients), so
         it is off by default. Otherwise, and for any other optimizer: ``clip_grad_norm_``
