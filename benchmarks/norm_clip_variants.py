@@ -202,7 +202,10 @@ def flat_megatron(named: NamedParams, device: torch.device) -> Prepared:
     """Ours through megatron_ext: DDP buffers, distributed optimizer, spans over buckets.
 
     Several buckets (``bucket_size`` about an eighth of the bytes, ``overlap_grad_reduce``)
-    so the spans cross bucket boundaries. CUDA only: megatron-core's DDP allocates there.
+    so the spans cross bucket boundaries. Routed experts (``.experts.local_experts.`` in the
+    name) are marked as megatron-core marks them, so an MoE inventory gets expert buffers
+    and a chain of two optimizers (dense and expert) over one group, as in training. CUDA
+    only: megatron-core's DDP allocates there.
     """
     if device.type != "cuda":
         raise RuntimeError("flat_megatron needs CUDA (megatron-core's DDP allocates on CUDA)")
@@ -214,8 +217,10 @@ def flat_megatron(named: NamedParams, device: torch.device) -> Prepared:
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    for _, p in named:  # DDP copies parameter values into its buffer: give them storage
+    for name, p in named:  # DDP copies parameter values into its buffer: give them storage
         p.data = torch.zeros(p.shape, dtype=p.dtype, device=device)
+        if ".experts.local_experts." in name:
+            p.allreduce = False  # megatron-core's expert mark: expert buffers, own optimizer
     numel = sum(p.numel() for _, p in named)
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, bf16=True)
     ddp_config = megatron_ext.DistributedDataParallelConfig(
@@ -239,6 +244,7 @@ def flat_megatron(named: NamedParams, device: torch.device) -> Prepared:
     )
     opt = megatron_ext.get_megatron_optimizer(opt_config, [model])
     buckets = sum(len(b.buckets) for b in model.all_grad_buffers())
+    chain = getattr(opt, "chained_optimizers", [opt])
 
     def clip(max_norm: float):
         # Megatron reads clip_grad=0 as "clipping off"; the driver's max_norm=0 means "always
@@ -249,5 +255,9 @@ def flat_megatron(named: NamedParams, device: torch.device) -> Prepared:
         [p.main_grad for _, p in named],
         opt.get_grad_norm,
         clip,
-        {"variant": "flat", "path": "megatron_spans", "note": f"{buckets} buckets, decoupled"},
+        {
+            "variant": "flat",
+            "path": "megatron_spans",
+            "note": f"{buckets} buckets, {len(chain)} optimizer(s), decoupled",
+        },
     )

@@ -11,6 +11,13 @@ by the caller (the caller's capture then records the launches themselves), when
 ``BUFFERS_CUDA_GRAPHS=0``, and for a sequence whose capture failed once (a warning says
 why). Results are returned as fresh tensors: a graph's output tensor is rewritten by the
 next replay, so it is never handed out.
+
+A norm or clip reduced over a process group (:meth:`NormClip.clip_reduced_`,
+:meth:`NormClip.norm_reduced`) captures the all-reduce in the same graph when the group is
+NCCL's (:func:`reduce_capturable`; ``BUFFERS_GRAPH_COLLECTIVES=0`` keeps it outside): the
+whole sequence is then one replay. Every rank captures at the same call (the second) and
+runs the reduction once per call, eagerly or replayed, so the ranks' collectives still
+match one for one.
 """
 
 from __future__ import annotations
@@ -31,6 +38,27 @@ def graphs_enabled(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("BUFFERS_CUDA_GRAPHS", "1") == "0":
         return False
     return not torch.cuda.is_current_stream_capturing()
+
+
+def reduce_capturable(group, device: torch.device) -> bool:
+    """Whether an all-reduce over ``group`` may be captured inside a norm/clip graph.
+
+    True for NCCL groups on CUDA while graphs are enabled, unless
+    ``BUFFERS_GRAPH_COLLECTIVES=0``. NCCL collectives can be captured in CUDA graphs (as
+    megatron-core's full-iteration graphs do); a replay then launches the all-reduce with
+    the rest, one host call in all. Other backends (gloo) run the reduction between replays.
+    """
+    if not graphs_enabled(device) or os.environ.get("BUFFERS_GRAPH_COLLECTIVES", "1") == "0":
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):  # not a member, or an unknown group object
+        return False
+    return "nccl" in backend.lower()
 
 
 class GraphReplayer:
@@ -219,18 +247,45 @@ class NormClip:
 
         return self.replay(("fold", p), run).clone()
 
+    def norm_reduced(
+        self,
+        p: float,
+        reduce: Callable[[torch.Tensor], torch.Tensor],
+        capture_reduce: bool = False,
+    ) -> torch.Tensor:
+        """The norm of ``reduce`` (e.g. an all-reduce) applied to the local stat.
+
+        With ``capture_reduce`` the reduction is captured in the same graph (one replay per
+        call; see :func:`reduce_capturable`); otherwise it runs between replays.
+        Returns a fresh tensor.
+        """
+        if capture_reduce:
+            key = ("norm_reduced", p)
+            return self.replay(key, lambda: ops.finish_norm(reduce(self._stat(p)), p)).clone()
+        return ops.finish_norm(reduce(self.local_stat(p)), p)
+
     def clip_reduced_(
         self,
         max_norm: float,
         p: float,
         reduce: Callable[[torch.Tensor], torch.Tensor],
+        capture_reduce: bool = False,
     ) -> torch.Tensor:
         """Like :meth:`clip_` with ``reduce`` (e.g. an all-reduce) applied to the local stat.
 
-        Two replays around the reduction: the local stat (into a fixed tensor), then norm,
-        coefficient and scale. Returns the pre-clip norm (a fresh tensor).
+        With ``capture_reduce`` one graph holds the local stat, the reduction, the norm, the
+        coefficient and the scale: one replay per call. Otherwise two replays around the
+        reduction: the local stat (into a fixed tensor), then norm, coefficient and scale.
+        Either way every call runs ``reduce``'s work exactly once (a collective stays one
+        collective per call on every rank). Returns the pre-clip norm (a fresh tensor).
         """
         self._set_max(max_norm)
+        if capture_reduce:
+
+            def run_all() -> torch.Tensor:
+                return self._clip_to_max(ops.finish_norm(reduce(self._stat(p)), p))
+
+            return self.replay(("clip_reduced", p), run_all).clone()
         self.replay(("stat_in", p), lambda: self._stat_in.copy_(self._stat(p)))
         reduced = reduce(self._stat_in)
         if reduced is not self._stat_in:  # an out-of-place reduction (the inf-norm's)

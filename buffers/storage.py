@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from . import ops
+from . import graphs, ops
 from .graphs import NormClip
 from .plan import LayoutPlan, ParamEntry, plan_layout
 
@@ -193,8 +193,13 @@ class FlatGradBuffers:
         p = ops.check_norm_type(norm_type)
         if group is None:
             return self._norm_clip.norm(p)
-        stat = ops.all_reduce_stat(self._norm_clip.local_stat(p), p, group)
-        return ops.finish_norm(stat, p)
+        return self._norm_clip.norm_reduced(p, self._reducer(p, group), self._in_graph(group))
+
+    def _reducer(self, p: float, group):
+        return lambda stat: ops.all_reduce_stat(stat, p, group)
+
+    def _in_graph(self, group) -> bool:
+        return graphs.reduce_capturable(group, self.device)
 
     def clip_grad_norm_(
         self,
@@ -214,9 +219,13 @@ class FlatGradBuffers:
         Returns:
             The pre-clip norm, a 0-dim fp32 device tensor.
         """
-        if group is None and not error_if_nonfinite:
+        if not error_if_nonfinite:
             self._raise_if_escaped()
-            return self._norm_clip.clip_(float(max_norm), ops.check_norm_type(norm_type))
+            p = ops.check_norm_type(norm_type)
+            if group is None:
+                return self._norm_clip.clip_(float(max_norm), p)
+            reduce, in_graph = self._reducer(p, group), self._in_graph(group)
+            return self._norm_clip.clip_reduced_(float(max_norm), p, reduce, in_graph)
         total = self.grad_norm(norm_type, group)
         if error_if_nonfinite and not torch.isfinite(total).item():
             raise RuntimeError(

@@ -15,7 +15,7 @@ from megatron.core.optimizer.optimizer import (
     FP32Optimizer,
 )
 
-from buffers import ops
+from buffers import graphs, ops
 from buffers.graphs import NormClip
 
 from . import offload
@@ -108,6 +108,13 @@ def enable_flat_norm(opt, model_chunks, *, host_mirrors: bool = True):
         )
     if isinstance(opt, ChainedOptimizer):
         opt.__class__ = _flat_class(type(opt))
+        # Every child's spans in one sequence, for a norm and clip over a shared group: one
+        # replay in all (the same kernels per buffer as the children's own; tables shared).
+        opt._flat_norm_clip = NormClip(
+            [g for c in children for g in c._flat.norm_groups],
+            [g for c in children for g in c._flat.scale_groups],
+            _device(),
+        )
     return opt
 
 
@@ -246,19 +253,21 @@ class FlatNormOptimizer:
     def _flat_scale(self, total_norm: torch.Tensor, max_norm: float) -> None:
         self._flat_norm_clip.scale_by_norm_(total_norm, max_norm)
 
+    def _flat_reducer(self):
+        """(the all-reduce of a stat over this optimizer's group, whether a graph holds it)"""
+        group = self.get_grad_stats_parallel_group()
+        return (
+            lambda stat: ops.all_reduce_stat(stat, 2.0, group),
+            graphs.reduce_capturable(group, _device()),
+        )
+
     @torch.no_grad()
     def get_grad_norm(self):
-        stat = ops.all_reduce_stat(
-            self._flat_local_stat(), 2.0, self.get_grad_stats_parallel_group()
-        )
-        return ops.finish_norm(stat, 2.0)
+        return self._flat_norm_clip.norm_reduced(2.0, *self._flat_reducer())
 
     def _flat_clip(self, clip_grad: float) -> torch.Tensor:
         """Norm over this optimizer's group, then scale: one fused sequence, no sync."""
-        group = self.get_grad_stats_parallel_group()
-        return self._flat_norm_clip.clip_reduced_(
-            clip_grad, 2.0, lambda stat: ops.all_reduce_stat(stat, 2.0, group)
-        )
+        return self._flat_norm_clip.clip_reduced_(clip_grad, 2.0, *self._flat_reducer())
 
     def clip_grad_norm(self, clip_grad: float):
         if clip_grad > 0.0:
@@ -325,15 +334,17 @@ class FlatChainedOptimizer:
     def _active(self):
         return [c for c in self.chained_optimizers if not getattr(c, "is_stub_optimizer", False)]
 
+    def _flat_reducer(self):
+        return FlatNormOptimizer._flat_reducer(self)
+
     @torch.no_grad()
     def get_grad_norm(self):
         children = self.chained_optimizers
         if len(children) == 1:
             return children[0].get_grad_norm()
         if self.grads_states_parallel_group_is_shared():
-            stat = sum((c._flat_local_stat() for c in children), torch.zeros((), device=_device()))
-            stat = ops.all_reduce_stat(stat, 2.0, self.get_grad_stats_parallel_group())
-            return ops.finish_norm(stat, 2.0)
+            # Every child's spans in one sum, one all-reduce: stock's one norm over the union.
+            return self._flat_norm_clip.norm_reduced(2.0, *self._flat_reducer())
         # Different groups (non-distributed dense + expert): each child reduces over its
         # own group, in order, as megatron-core does; then combine.
         return torch.stack([c.get_grad_norm() for c in children]).square().sum().sqrt()
@@ -342,11 +353,17 @@ class FlatChainedOptimizer:
         """The global norm over every child; then each child's gradients scaled, on device."""
         if len(self.chained_optimizers) == 1:
             return self.chained_optimizers[0].clip_grad_norm(clip_grad)
+        if clip_grad > 0.0 and self.grads_states_parallel_group_is_shared():
+            return self._flat_clip(clip_grad)
         grad_norm = self.get_grad_norm()
         if clip_grad > 0.0:
             for child in self._active():
                 child._flat_scale(grad_norm, clip_grad)
         return grad_norm
+
+    def _flat_clip(self, clip_grad: float) -> torch.Tensor:
+        """Norm over every child's spans and the shared group, then scale them all."""
+        return self._flat_norm_clip.clip_reduced_(clip_grad, 2.0, *self._flat_reducer())
 
     @torch.no_grad()
     def count_zeros(self):
@@ -365,9 +382,13 @@ class FlatChainedOptimizer:
         if self.prepare_grads():
             return False, None, None
         children = [c for c in self._active() if c._flat.targets]
+        clips = {c.config.clip_grad for c in children}
         if len(self.chained_optimizers) == 1 and children and children[0].config.clip_grad > 0:
             # One child: norm and clip as one fused sequence around the all-reduce.
             grad_norm = children[0]._flat_clip(children[0].config.clip_grad)
+        elif len(clips) == 1 and min(clips) > 0.0 and self.grads_states_parallel_group_is_shared():
+            # Several children, one clip value, one group: the same, over all their spans.
+            grad_norm = self._flat_clip(clips.pop())
         else:
             grad_norm = self.get_grad_norm()
             for child in children:

@@ -10,18 +10,39 @@ import pytest
 import torch
 
 from buffers import FlatGradBuffers, graphs
+from buffers.graphs import NormClip
 
 
 class RecordedFn:
-    """Stand-in for a CUDA graph: replay() re-runs the recorded function."""
+    """Stand-in for a CUDA graph: replay() re-runs the recorded function.
 
-    def __init__(self, fn):
+    A real capture records without running, and GraphReplayer replays right after it; the
+    stand-in runs the function while "recording" (to get its output tensor), so the first
+    replay after that is skipped: one run per call, as on CUDA. A replay writes its result
+    into the recorded output tensor, as a graph rewrites the same memory. ``inside`` is
+    True while the function runs as part of the "graph" (recording or replaying).
+    """
+
+    inside = False
+
+    def __init__(self, fn, out):
         self.fn = fn
+        self.out = out
         self.replays = 0
+        self._ran_at_record = True
 
     def replay(self):
         self.replays += 1
-        self.fn()
+        if self._ran_at_record:
+            self._ran_at_record = False
+            return
+        RecordedFn.inside = True
+        try:
+            result = self.fn()
+        finally:
+            RecordedFn.inside = False
+        if result is not self.out:
+            self.out.copy_(result)
 
 
 @pytest.fixture
@@ -29,8 +50,12 @@ def fake_cuda(monkeypatch):
     recorded = []
 
     def record(self, fn):
-        out = fn()  # a capture records the launches; the stand-in also runs them once
-        graph = RecordedFn(fn)
+        RecordedFn.inside = True
+        try:
+            out = fn()
+        finally:
+            RecordedFn.inside = False
+        graph = RecordedFn(fn, out)
         recorded.append(graph)
         return graph, out
 
@@ -100,3 +125,63 @@ def test_flat_grad_buffers_on_the_cpu_never_capture():
     for _ in range(3):
         assert float(fgb.grad_norm()) == 5.0
     assert fgb._norm_clip.replay.captures == 0
+
+
+@pytest.mark.parametrize("in_graph", [True, False])
+@pytest.mark.parametrize("op", ["norm", "clip"])
+def test_reduced_norm_and_clip_put_the_reduction_in_the_graph_only_when_asked(
+    fake_cuda, in_graph, op
+):
+    """The reduction (here a stand-in that multiplies the stat by 4) runs once per call:
+    inside the graph with ``capture_reduce``, between replays without; same results."""
+    gen = torch.Generator().manual_seed(3)
+    bufs = [torch.zeros(40, dtype=torch.float32), torch.zeros(24, dtype=torch.bfloat16)]
+    views = [bufs[0][0:30], bufs[0][32:40], bufs[1][0:17]]
+    nc = NormClip([views[:2], views[2:]], [views[:2], views[2:]], torch.device("cpu"))
+    where = []
+
+    def reduce(stat):
+        where.append(RecordedFn.inside)
+        return stat.mul_(4.0)
+
+    for i in range(5):
+        for v in views:
+            v.copy_(torch.randn(v.shape, generator=gen) * (i + 1))
+        before = [v.double().clone() for v in views]
+        ref = 2.0 * float(sum(b.square().sum() for b in before) ** 0.5)  # sqrt(4 * sumsq)
+        if op == "norm":
+            got = nc.norm_reduced(2.0, reduce, in_graph)
+        else:
+            got = nc.clip_reduced_(1.0, 2.0, reduce, in_graph)
+            coeff = min(1.0 / (ref + 1e-6), 1.0)
+            for v, b in zip(views, before, strict=True):
+                tol = 1e-2 if v.dtype == torch.bfloat16 else 1e-5
+                torch.testing.assert_close(v.double(), b * coeff, rtol=tol, atol=1e-7)
+        assert float(got) == pytest.approx(ref, rel=1e-5)
+    assert len(where) == 5  # once per call, whichever route
+    if in_graph:
+        assert where == [False, True, True, True, True]  # eager, captured, replayed
+    else:
+        assert where == [False] * 5
+
+
+def test_reduce_capturable_only_for_nccl_while_graphs_are_on(monkeypatch):
+    import torch.distributed as dist
+
+    cuda = torch.device("cuda")
+    assert graphs.reduce_capturable(None, torch.device("cpu")) is False
+    monkeypatch.setattr(graphs, "graphs_enabled", lambda device: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for backend, want in [("nccl", True), ("cpu:gloo,cuda:nccl", True), ("gloo", False)]:
+        monkeypatch.setattr(dist, "get_backend", lambda group, b=backend: b)
+        assert graphs.reduce_capturable(None, cuda) is want, backend
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setenv("BUFFERS_GRAPH_COLLECTIVES", "0")
+    assert graphs.reduce_capturable(None, cuda) is False
+    monkeypatch.delenv("BUFFERS_GRAPH_COLLECTIVES")
+
+    def not_a_member(group):
+        raise ValueError("Invalid process group specified")
+
+    monkeypatch.setattr(dist, "get_backend", not_a_member)
+    assert graphs.reduce_capturable(None, cuda) is False

@@ -149,6 +149,8 @@ def test_storage_freed_and_reallocated_under_the_views_recaptures():
     for buf in fgb.buffers.values():
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
     assert blockers and nbytes > 0
+    # New memory holds garbage, padding included; restore_grad_buffers zeroes it, as here.
+    fgb.zero_()
     for _ in range(3):
         fill(params, gen)
         want = [p.grad.double().clone() for p in params]
@@ -160,3 +162,80 @@ def test_storage_freed_and_reallocated_under_the_views_recaptures():
             torch.testing.assert_close(p.grad.double(), w / ref, rtol=tol, atol=1e-6)
     assert fgb._norm_clip.replay.invalidations == 1
     assert fgb._norm_clip.replay.captures == 2
+
+
+# --- reduced over an NCCL group: the all-reduce inside the graph ------------------------
+
+
+def _counting_all_reduce(monkeypatch):
+    import torch.distributed as dist
+
+    calls = []
+    real = dist.all_reduce
+
+    def counting(tensor, *a, **k):
+        calls.append(torch.cuda.is_current_stream_capturing())
+        return real(tensor, *a, **k)
+
+    monkeypatch.setattr(dist, "all_reduce", counting)
+    return calls
+
+
+@pytest.mark.parametrize("op", ["norm", "clip"])
+def test_reduced_over_nccl_is_one_replay_with_the_all_reduce_inside(
+    megatron_world, monkeypatch, op
+):
+    """Eager once, captured with the all-reduce once, then replays: no Python all-reduce."""
+    import torch.distributed as dist
+
+    params, fgb = make()
+    twin_params, twin = make()  # the same on the route with the all-reduce between replays
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    calls = _counting_all_reduce(monkeypatch)
+    for i in range(5):
+        fill(params, gen)
+        for p, q in zip(params, twin_params, strict=True):
+            q.grad.copy_(p.grad)
+        ref = ref_norm(params)
+        want = [p.grad.double().clone() for p in params]
+        if op == "norm":
+            got = fgb.grad_norm(group=dist.group.WORLD)
+        else:
+            got = fgb.clip_grad_norm_(1.0, group=dist.group.WORLD)
+        assert float(got) == pytest.approx(ref, rel=1e-5), i
+        if op == "clip":
+            for p, w in zip(params, want, strict=True):
+                tol = 1e-2 if p.dtype != torch.float32 else 1e-5
+                torch.testing.assert_close(p.grad.double(), w / ref, rtol=tol, atol=1e-6)
+        # bit for bit what the two-replay route gives
+        monkeypatch.setenv("BUFFERS_GRAPH_COLLECTIVES", "0")
+        if op == "norm":
+            other = twin.grad_norm(group=dist.group.WORLD)
+        else:
+            other = twin.clip_grad_norm_(1.0, group=dist.group.WORLD)
+        monkeypatch.delenv("BUFFERS_GRAPH_COLLECTIVES")
+        assert torch.equal(got, other), i
+        for p, q in zip(params, twin_params, strict=True):
+            assert torch.equal(p.grad, q.grad), i
+    # Python all-reduce calls, in order (True: inside a capture). Ours: eager at call 1,
+    # captured at call 2, none after; the twin: one per call, never captured.
+    assert calls == [False, False, True, False, False, False, False]
+    assert fgb._norm_clip.replay.captures == 1
+
+
+def test_replayed_clip_launches_the_nccl_all_reduce(megatron_world):
+    """The profiler sees an NCCL kernel in a replay (the reduction is in the graph)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    params, fgb = make()
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    for _ in range(3):
+        fill(params, gen)
+        fgb.clip_grad_norm_(1.0, group=dist.group.WORLD)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fgb.clip_grad_norm_(1.0, group=dist.group.WORLD)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any("nccl" in n.lower() for n in names), sorted(set(names))

@@ -73,6 +73,9 @@ KINDS = {
         optimizer_cpu_offload=True,
         optimizer_offload_fraction=0.0,
     ),
+    # fc2 as expert parameters (allreduce=False): expert buffers and a second child
+    # optimizer, so the norm and clip run over a chain of two over one shared group
+    "distopt_experts": dict(use_distributed_optimizer=True, experts=True),
     "float16": dict(use_distributed_optimizer=False),
     "fp32": dict(use_distributed_optimizer=False, bf16=False),
 }
@@ -89,8 +92,12 @@ def build(kind, option, fp32_first=False, patterns=(), seed=0):
     opts = dict(KINDS[kind])
     bf16 = opts.pop("bf16", True)
     ddp_overrides = opts.pop("ddp", {})
+    experts = opts.pop("experts", False)
     torch.manual_seed(seed)
     module = Mixed(fp32_first, all_fp32=not bf16)
+    if experts:
+        for p in module.fc2.parameters():
+            p.allreduce = False  # megatron-core's mark of an expert-parallel parameter
     tcfg = TransformerConfig(
         num_layers=1,
         hidden_size=HIDDEN,
@@ -163,6 +170,7 @@ def test_norm_clip_and_training_with_option(kind, fp32_first):
 
     model, opt = build(kind, True, fp32_first)
     assert type(opt).__name__ == "FlatChainedOptimizer"
+    assert len(opt.chained_optimizers) == (2 if KINDS[kind].get("experts") else 1)
     if kind == "distopt_buckets":
         assert max(len(b.buckets) for b in model.all_grad_buffers()) > 1
     audit = megatron_ext.audit_norm_ownership([model], opt)
@@ -222,7 +230,9 @@ def test_stock_fails_where_option_trains(kind):
     build(kind, True)  # and ours builds (it trains in the test above)
 
 
-@pytest.mark.parametrize("kind", ["distopt", "float16", "distopt_pa_offload_0.5"])
+@pytest.mark.parametrize(
+    "kind", ["distopt", "float16", "distopt_pa_offload_0.5", "distopt_experts"]
+)
 def test_same_collectives_as_stock(kind, monkeypatch):
     import torch.distributed as dist
 
