@@ -161,6 +161,30 @@ def host_times(fn: Callable[[], Any], device: torch.device, reps: int) -> list[f
     return times
 
 
+def burst_host_times(
+    fn: Callable[[], Any], device: torch.device, calls: int = 20, bursts: int = 15
+) -> list[float]:
+    """Host seconds per call when ``calls`` calls are issued back to back, once per burst.
+
+    The device is drained before each burst, not between its calls: the host issues while
+    the device is still busy with earlier calls, as in training. Only for calls that queue
+    a few launches each (e.g. graph replays): many launches per call would fill CUDA's
+    launch queue and then this would time the device.
+
+    Returns:
+        One mean per burst.
+    """
+    out = []
+    for _ in range(bursts):
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls)
+    synchronize(device)
+    return out
+
+
 def host_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     """The median of :func:`host_times`, in seconds."""
     return statistics.median(host_times(fn, device, reps))

@@ -99,6 +99,9 @@ class GraphReplayer:
             return fn()
         if self._captured_at is not None and self._storage_signature() != self._captured_at:
             self._graphs.clear()  # storage moved: the graphs' addresses are stale
+            # The dropped graphs were the pool's only users, so torch has released it;
+            # capturing into its old handle trips an allocator assert: start a new pool.
+            self._pool = None
             self._captured_at = None
             self.invalidations += 1
         entry = self._graphs.get(key)

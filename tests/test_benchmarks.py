@@ -130,3 +130,24 @@ def test_norm_clip_host_percentiles_bracket_the_median(norm_clip_run):
     assert timed
     for r in timed:
         assert r["host_time_p10_s"] <= r["host_time_s"] <= r["host_time_p90_s"]
+
+
+def test_norm_clip_burst_host_time_only_for_our_rows(norm_clip_run):
+    _, _, records = norm_clip_run
+    timed = [r for r in records if r["host_time_s"] is not None]
+    ours = [r for r in timed if r["variant"] == "flat"]
+    assert ours and len(ours) < len(timed)
+    for r in timed:
+        if r["variant"] == "flat":
+            assert r["host_time_burst_s"] > 0
+        else:
+            assert r["host_time_burst_s"] is None
+
+
+def test_burst_host_times_counts_every_call():
+    import torch
+
+    common = load_script("common")
+    calls = []
+    times = common.burst_host_times(lambda: calls.append(1), torch.device("cpu"), 4, 3)
+    assert len(times) == 3 and len(calls) == 12 and all(t >= 0 for t in times)

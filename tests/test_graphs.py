@@ -110,10 +110,12 @@ def test_moved_storage_drops_the_graphs_and_recaptures(fake_cuda):
     blocker = torch.empty(6)  # takes the freed block, so the storage comes back elsewhere
     storage.resize_(nbytes)
     assert storage.data_ptr() != before and blocker.numel() == 6
+    rep._pool = stale = object()  # the graphs' memory pool, released with them
     buf.copy_(torch.arange(6, dtype=torch.float32) * 10)
     got = rep("k", lambda: view.sum())  # dropped: eager again, then re-captured
     assert float(got) == (20 + 30 + 40)
     assert rep.invalidations == 1
+    assert rep._pool is not stale  # a new pool for the new graphs (the CUDA test's assert)
     rep("k", lambda: view.sum())
     assert rep.captures == 2
 
