@@ -53,7 +53,7 @@ def _model_class():
     return CheckpointableMixed
 
 
-def build(option: bool, seed: int = 0, **opt_overrides):
+def build(option: bool, seed: int = 0, distributed: bool = True, **opt_overrides):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -69,12 +69,12 @@ def build(option: bool, seed: int = 0, **opt_overrides):
     )
     module = _model_class()(config)
     ddp_config = megatron_ext.DistributedDataParallelConfig(
-        per_dtype_grad_buffers=option, use_distributed_optimizer=True
+        per_dtype_grad_buffers=option, use_distributed_optimizer=distributed
     )
     model = megatron_ext.DistributedDataParallel(config, ddp_config, module)
     settings = dict(clip_grad=0.05) | opt_overrides
     opt_config = OptimizerConfig(
-        optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True, **settings
+        optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=distributed, **settings
     )
     return model, megatron_ext.get_megatron_optimizer(opt_config, [model])
 
@@ -115,8 +115,9 @@ def optimizer_state(opt):
                 for key, value in sorted(inner.state.get(p, {}).items()):
                     if isinstance(value, torch.Tensor):
                         out.append((key, value.detach().clone()))
-        for group in getattr(child, "shard_fp32_from_float16_groups", []):
-            out += [("main_param", p.detach().clone()) for p in group if p is not None]
+        for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
+            for group in getattr(child, attr, []):
+                out += [("main_param", p.detach().clone()) for p in group if p is not None]
     return out
 
 
@@ -177,6 +178,44 @@ def test_checkpoint_round_trip_then_identical_training(tmp_path, fmt, saved_with
     else:
         # on vs off sum the same squares in a different order: the norm agrees to fp32
         # rounding, so the clip coefficient (and the parameters) may differ in the last bits.
+        for a, b in zip(continued, resumed, strict=True):
+            assert a == pytest.approx(b, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "saved_with,loaded_with",
+    [(True, True), (True, False), (False, True), (False, False)],
+    ids=["on-on", "on-off", "off-on", "off-off"],  # off-off: stock's own, the control
+)
+def test_float16_optimizer_checkpoint_round_trips_both_ways(tmp_path, saved_with, loaded_with):
+    """The non-distributed mixed-precision optimizer (Float16OptimizerWithFloat16Params).
+
+    Stock megatron-core loads this optimizer's checkpoint with torch's Adam, so here on->off
+    is a real load by stock of a checkpoint the option wrote, then training on.
+    """
+    model, opt = build(saved_with, distributed=False)
+    train(model, opt, 3)
+    save(model, opt, tmp_path / "ckpt", "fully_reshardable")
+    want_params, want_state = params_of(model), optimizer_state(opt)
+    assert want_state and any(k == "main_param" for k, _ in want_state)
+
+    other, other_opt = build(loaded_with, seed=1, distributed=False)
+    train(other, other_opt, 1, first_step=50)
+    load(other, other_opt, tmp_path / "ckpt", "fully_reshardable")
+    for name, p in params_of(other).items():
+        assert torch.equal(p, want_params[name]), f"{name} differs after loading"
+    got_state = optimizer_state(other_opt)
+    assert [k for k, _ in got_state] == [k for k, _ in want_state]
+    for (key, got), (_, want) in zip(got_state, want_state, strict=True):
+        assert torch.equal(got, want), f"optimizer state {key} differs after loading"
+
+    continued = train(model, opt, 3, first_step=3)
+    resumed = train(other, other_opt, 3, first_step=3)
+    if saved_with == loaded_with:
+        assert continued == resumed
+        for name, p in params_of(other).items():
+            assert torch.equal(p, params_of(model)[name])
+    else:
         for a, b in zip(continued, resumed, strict=True):
             assert a == pytest.approx(b, rel=1e-5)
 
