@@ -279,6 +279,24 @@ class FlatNormOptimizer:
         torch.distributed.all_reduce(zeros, group=self.get_grad_stats_parallel_group())
         return zeros
 
+    def sharded_state_dict(self, model_sharded_state_dict, *args, **kwargs):
+        """megatron-core's, with the ids right when fp32 parameters sit in a group.
+
+        megatron-core 0.19.2's ``Float16OptimizerWithFloat16Params.sharded_state_dict``
+        numbers the model parameters by walking only its bf16/fp16 parameters, while the
+        optimizer state numbers every parameter of every group, natively fp32 ones included:
+        once a group holds both (fp32 hyper-connection weights or sinks beside bf16 biases
+        in the no-weight-decay group), states are paired with the wrong parameters, which
+        fails with a shape mismatch or, where shapes agree, saves them under the wrong
+        names. Here the model parameters are walked in the optimizer's own order.
+        """
+        base = self._flat_base.sharded_state_dict
+        if not isinstance(self, Float16OptimizerWithFloat16Params) or not any(
+            self.fp32_from_fp32_groups
+        ):
+            return base(self, model_sharded_state_dict, *args, **kwargs)
+        return _float16_sharded_state_dict(self, model_sharded_state_dict, *args, **kwargs)
+
     def load_state_dict(self, state_dict):
         """megatron-core's load, then one ``step`` tensor per parameter again.
 
@@ -326,6 +344,48 @@ class FlatNormOptimizer:
         for key, target in dst.items():
             if isinstance(tensors[key], torch.Tensor):  # megatron-core skips non-tensors too
                 target.copy_(tensors[key])
+
+
+def _float16_sharded_state_dict(opt, model_sharded_state_dict, is_loading=False, metadata=None):
+    """``Float16OptimizerWithFloat16Params.sharded_state_dict`` with ids in optimizer order."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+        optim_state_to_sharding_state,
+    )
+    from megatron.core.optimizer.optimizer import _backfill_gtp_sharded_param_map
+
+    if is_loading:
+        opt.init_state_fn(opt.optimizer, opt.config)
+    state_dict = opt.state_dict()
+    # The model parameter behind every optimizer parameter, in the optimizer's order (the
+    # order of the state dict's integer ids): a bf16 parameter for its fp32 main copy.
+    model_of = {
+        id(main): model
+        for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True)
+        for model, main in zip(models, mains, strict=True)
+    }
+    inner = [q for g in opt.optimizer.param_groups for q in g["params"]]
+    ordered = [model_of.get(id(q), q) for q in inner]
+    position = {id(q): i for i, q in enumerate(inner)}
+    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, ordered)
+    _backfill_gtp_sharded_param_map(id_map, [ordered], model_sharded_state_dict)
+    state_dict["fp32_from_fp16_params"] = [
+        [
+            make_sharded_optimizer_tensor(
+                id_map[position[id(main)]], saved, prefix="optimizer.state.fp32_param"
+            )
+            for main, saved in zip(mains, saved_group, strict=True)
+        ]
+        for mains, saved_group in zip(
+            opt.fp32_from_float16_groups, state_dict["fp32_from_fp16_params"], strict=True
+        )
+    ]
+    step = opt._extract_common_per_param_step(state_dict["optimizer"])
+    optim_state_to_sharding_state(state_dict["optimizer"], id_map, exclude_keys="step")
+    if step:
+        state_dict["optimizer"]["state"]["common_step"] = step
+    return state_dict
 
 
 class FlatChainedOptimizer:

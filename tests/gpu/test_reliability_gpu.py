@@ -182,24 +182,17 @@ def test_checkpoint_round_trip_then_identical_training(tmp_path, fmt, saved_with
             assert a == pytest.approx(b, rel=1e-5)
 
 
-@pytest.mark.parametrize(
-    "saved_with,loaded_with",
-    [(True, True), (True, False), (False, True), (False, False)],
-    ids=["on-on", "on-off", "off-on", "off-off"],  # off-off: stock's own, the control
-)
-def test_float16_optimizer_checkpoint_round_trips_both_ways(tmp_path, saved_with, loaded_with):
-    """The non-distributed mixed-precision optimizer (Float16OptimizerWithFloat16Params).
-
-    Stock megatron-core loads this optimizer's checkpoint with torch's Adam, so here on->off
-    is a real load by stock of a checkpoint the option wrote, then training on.
-    """
-    model, opt = build(saved_with, distributed=False)
+def test_float16_optimizer_checkpoint_round_trip_then_identical_training(tmp_path):
+    """The non-distributed mixed-precision optimizer (Float16OptimizerWithFloat16Params),
+    with fp32 parameters beside bf16 biases in one group: on->on round trip, then training
+    bit for bit (stock cannot save this model at all: the next test)."""
+    model, opt = build(True, distributed=False)
     train(model, opt, 3)
     save(model, opt, tmp_path / "ckpt", "fully_reshardable")
     want_params, want_state = params_of(model), optimizer_state(opt)
-    assert want_state and any(k == "main_param" for k, _ in want_state)
+    assert any(k == "main_param" for k, _ in want_state) and len(want_state) > 8
 
-    other, other_opt = build(loaded_with, seed=1, distributed=False)
+    other, other_opt = build(True, seed=1, distributed=False)
     train(other, other_opt, 1, first_step=50)
     load(other, other_opt, tmp_path / "ckpt", "fully_reshardable")
     for name, p in params_of(other).items():
@@ -208,16 +201,25 @@ def test_float16_optimizer_checkpoint_round_trips_both_ways(tmp_path, saved_with
     assert [k for k, _ in got_state] == [k for k, _ in want_state]
     for (key, got), (_, want) in zip(got_state, want_state, strict=True):
         assert torch.equal(got, want), f"optimizer state {key} differs after loading"
+    assert train(model, opt, 3, first_step=3) == train(other, other_opt, 3, first_step=3)
+    for name, p in params_of(other).items():
+        assert torch.equal(p, params_of(model)[name])
 
-    continued = train(model, opt, 3, first_step=3)
-    resumed = train(other, other_opt, 3, first_step=3)
-    if saved_with == loaded_with:
-        assert continued == resumed
-        for name, p in params_of(other).items():
-            assert torch.equal(p, params_of(model)[name])
-    else:
-        for a, b in zip(continued, resumed, strict=True):
-            assert a == pytest.approx(b, rel=1e-5)
+
+def test_float16_optimizer_stock_cannot_checkpoint_fp32_params_beside_bf16(tmp_path):
+    """Why the option replaces sharded_state_dict for this optimizer: stock megatron-core
+    0.19.2 pairs states with the wrong parameters once a group mixes fp32 and bf16 ones.
+    Saving fails, and so does stock loading the checkpoint the option wrote (its load
+    template is built the same way): loudly, not with wrong data."""
+    model, opt = build(False, distributed=False)
+    train(model, opt, 1)
+    with pytest.raises(AssertionError, match="does not match model shape"):
+        save(model, opt, tmp_path / "stock", "fully_reshardable")
+    ours, ours_opt = build(True, distributed=False)
+    train(ours, ours_opt, 1)
+    save(ours, ours_opt, tmp_path / "ours", "fully_reshardable")
+    with pytest.raises(AssertionError, match="does not match model shape"):
+        load(model, opt, tmp_path / "ours", "fully_reshardable")
 
 
 def _same(a, b, where="") -> None:
