@@ -104,3 +104,63 @@ def test_load_state_dict_gives_each_parameter_its_own_step():
     assert all(float(adam.state[p]["step"]) == 4.0 for p in params)
     for a, b in zip(params, ref_params, strict=True):
         assert torch.equal(a, b)
+
+
+def test_float16_sharded_state_dict_pairs_states_with_their_own_parameters():
+    """Float16OptimizerWithFloat16Params layout with fp32 parameters *before* a bf16 one in a
+    group: every saved state and main copy must be keyed by its own parameter's name."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+    from megatron_ext.optimizer import _float16_sharded_state_dict
+
+    g = torch.Generator().manual_seed(3)
+    shapes = {"w": (4, 3), "b": (4,), "alpha": (3,), "sink": (5,)}
+    model = {
+        n: torch.nn.Parameter(
+            torch.randn(s, generator=g).to(
+                torch.float32 if n in ("alpha", "sink") else torch.bfloat16
+            )
+        )
+        for n, s in shapes.items()
+    }
+    main = {n: model[n].detach().float().clone().requires_grad_() for n in ("w", "b")}
+    groups = [[main["w"]], [model["alpha"], main["b"], model["sink"]]]  # fp32 first in group 1
+    adam = torch.optim.Adam([{"params": gr} for gr in groups], lr=1e-2)
+    for q in (p for gr in groups for p in gr):
+        q.grad = torch.randn(q.shape, generator=g)
+    adam.step()
+    fp32_from_float16 = [[main["w"]], [main["b"]]]
+    opt = SimpleNamespace(
+        float16_groups=[[model["w"]], [model["b"]]],
+        fp32_from_float16_groups=fp32_from_float16,
+        fp32_from_fp32_groups=[[], [model["alpha"], model["sink"]]],
+        optimizer=adam,
+        config=None,
+        init_state_fn=None,
+        state_dict=lambda: {
+            "optimizer": adam.state_dict(),
+            "fp32_from_fp16_params": fp32_from_float16,
+        },
+        _extract_common_per_param_step=MixedPrecisionOptimizer._extract_common_per_param_step,
+    )
+    model_sd = {n: ShardedTensor.from_rank_offsets(n, p) for n, p in model.items()}
+    out = _float16_sharded_state_dict(opt, model_sd)
+    owner = {
+        id(q): n for n, q in [*main.items(), ("alpha", model["alpha"]), ("sink", model["sink"])]
+    }
+    inner = [q for gr in groups for q in gr]
+    for idx, state in out["optimizer"]["state"].items():
+        if idx == "common_step":
+            continue
+        name = owner[id(inner[idx])]
+        for key in ("exp_avg", "exp_avg_sq"):
+            sh = state[key]
+            assert sh.key == f"optimizer.state.{key}.{name}", (idx, sh.key)
+            assert torch.equal(sh.data, adam.state[inner[idx]][key])
+    mains = [sh for gr in out["fp32_from_fp16_params"] for sh in gr]
+    assert [sh.key for sh in mains] == [
+        "optimizer.state.fp32_param.w",
+        "optimizer.state.fp32_param.b",
+    ]
+    assert torch.equal(mains[1].data, main["b"])
