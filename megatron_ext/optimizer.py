@@ -287,8 +287,9 @@ class FlatNormOptimizer:
         optimizer state numbers every parameter of every group, natively fp32 ones included:
         once a group holds both (fp32 hyper-connection weights or sinks beside bf16 biases
         in the no-weight-decay group), states are paired with the wrong parameters, which
-        fails with a shape mismatch or, where shapes agree, saves them under the wrong
-        names. Here the model parameters are walked in the optimizer's own order.
+        fails with a shape mismatch (seen on the GPU) or, where shapes agree, would save
+        them under the wrong names (from reading its code). Here the model parameters are
+        walked in the optimizer's own order.
         """
         base = self._flat_base.sharded_state_dict
         if not isinstance(self, Float16OptimizerWithFloat16Params) or not any(
