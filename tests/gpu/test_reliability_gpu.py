@@ -53,7 +53,9 @@ def _model_class():
     return CheckpointableMixed
 
 
-def build(option: bool, seed: int = 0, distributed: bool = True, **opt_overrides):
+def build(option: bool, seed: int = 0, distributed: bool = True, module_fn=None, **opt_overrides):
+    """DDP (option on or off) and the optimizer around ``module_fn()`` (default: the
+    checkpointable bf16/fp32 model), distributed optimizer unless ``distributed=False``."""
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -67,7 +69,7 @@ def build(option: bool, seed: int = 0, distributed: bool = True, **opt_overrides
         bf16=True,
         params_dtype=torch.bfloat16,
     )
-    module = _model_class()(config)
+    module = module_fn() if module_fn is not None else _model_class()(config)
     ddp_config = megatron_ext.DistributedDataParallelConfig(
         per_dtype_grad_buffers=option, use_distributed_optimizer=distributed
     )
@@ -146,6 +148,17 @@ def load(model, opt, path, fmt):
     opt.load_state_dict(loaded["optimizer"])
 
 
+def load_and_compare(model, opt, path, fmt, want_params, want_state) -> None:
+    """Load ``path``; parameters and every optimizer state tensor must equal the saved ones."""
+    load(model, opt, path, fmt)
+    for name, p in params_of(model).items():
+        assert torch.equal(p, want_params[name]), f"{fmt}: {name} differs after loading"
+    got_state = optimizer_state(opt)
+    assert [k for k, _ in got_state] == [k for k, _ in want_state]
+    for (key, got), (_, want) in zip(got_state, want_state, strict=True):
+        assert torch.equal(got, want), f"{fmt}: optimizer state {key} differs after loading"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
     "saved_with,loaded_with", [(True, True), (False, True)], ids=["on-on", "off-on"]
@@ -161,13 +174,7 @@ def test_checkpoint_round_trip_then_identical_training(tmp_path, fmt, saved_with
     # loading) asserts that the torch Adam state already holds one common "step": a
     # never-stepped optimizer has none. One step creates it; loading overwrites everything.
     train(other, other_opt, 1, first_step=50)
-    load(other, other_opt, tmp_path / "ckpt", fmt)
-    for name, p in params_of(other).items():
-        assert torch.equal(p, want_params[name]), f"{fmt}: {name} differs after loading"
-    got_state = optimizer_state(other_opt)
-    assert [k for k, _ in got_state] == [k for k, _ in want_state]
-    for (key, got), (_, want) in zip(got_state, want_state, strict=True):
-        assert torch.equal(got, want), f"{fmt}: optimizer state {key} differs after loading"
+    load_and_compare(other, other_opt, tmp_path / "ckpt", fmt, want_params, want_state)
 
     continued = train(model, opt, 3, first_step=3)
     resumed = train(other, other_opt, 3, first_step=3)
@@ -194,13 +201,8 @@ def test_float16_optimizer_checkpoint_round_trip_then_identical_training(tmp_pat
 
     other, other_opt = build(True, seed=1, distributed=False)
     train(other, other_opt, 1, first_step=50)
-    load(other, other_opt, tmp_path / "ckpt", "fully_reshardable")
-    for name, p in params_of(other).items():
-        assert torch.equal(p, want_params[name]), f"{name} differs after loading"
-    got_state = optimizer_state(other_opt)
-    assert [k for k, _ in got_state] == [k for k, _ in want_state]
-    for (key, got), (_, want) in zip(got_state, want_state, strict=True):
-        assert torch.equal(got, want), f"optimizer state {key} differs after loading"
+    fmt = "fully_reshardable"
+    load_and_compare(other, other_opt, tmp_path / "ckpt", fmt, want_params, want_state)
     assert train(model, opt, 3, first_step=3) == train(other, other_opt, 3, first_step=3)
     for name, p in params_of(other).items():
         assert torch.equal(p, params_of(model)[name])
@@ -348,30 +350,11 @@ def test_nan_gradient_gives_nan_norm_and_stock_skip_logic_still_works():
 
 
 def test_stage_with_only_fp32_parameters_trains():
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    def fp32_only():
+        return torch.nn.Linear(HIDDEN, HIDDEN, device="cuda")
 
-    import megatron_ext
-
-    torch.manual_seed(0)
-    module = torch.nn.Linear(HIDDEN, HIDDEN, device="cuda")  # fp32 only
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-    )
-    ddp_config = megatron_ext.DistributedDataParallelConfig(
-        per_dtype_grad_buffers=True, use_distributed_optimizer=True
-    )
-    model = megatron_ext.DistributedDataParallel(config, ddp_config, module)
-    opt = megatron_ext.get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0, use_distributed_optimizer=True
-        ),
-        [model],
-    )
+    model, opt = build(True, module_fn=fp32_only, clip_grad=1.0)
+    module = model.module
     assert {b.grad_dtype for b in model.all_grad_buffers()} == {torch.float32}
     x, y = batch(0)
     losses = []
