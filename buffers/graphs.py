@@ -61,6 +61,12 @@ def reduce_capturable(group, device: torch.device) -> bool:
     return "nccl" in backend.lower()
 
 
+def group_reducer(p: float, group, device: torch.device):
+    """``(reduce, capture_reduce)`` for :meth:`NormClip.norm_reduced` / ``clip_reduced_``:
+    the one all-reduce of a p-stat over ``group``, and whether a graph may hold it."""
+    return (lambda stat: ops.all_reduce_stat(stat, p, group)), reduce_capturable(group, device)
+
+
 class GraphReplayer:
     """Runs ``fn`` eagerly once per key, captures it the next time, then replays it.
 

@@ -193,13 +193,7 @@ class FlatGradBuffers:
         p = ops.check_norm_type(norm_type)
         if group is None:
             return self._norm_clip.norm(p)
-        return self._norm_clip.norm_reduced(p, self._reducer(p, group), self._in_graph(group))
-
-    def _reducer(self, p: float, group):
-        return lambda stat: ops.all_reduce_stat(stat, p, group)
-
-    def _in_graph(self, group) -> bool:
-        return graphs.reduce_capturable(group, self.device)
+        return self._norm_clip.norm_reduced(p, *graphs.group_reducer(p, group, self.device))
 
     def clip_grad_norm_(
         self,
@@ -224,8 +218,8 @@ class FlatGradBuffers:
             p = ops.check_norm_type(norm_type)
             if group is None:
                 return self._norm_clip.clip_(float(max_norm), p)
-            reduce, in_graph = self._reducer(p, group), self._in_graph(group)
-            return self._norm_clip.clip_reduced_(float(max_norm), p, reduce, in_graph)
+            reducer = graphs.group_reducer(p, group, self.device)
+            return self._norm_clip.clip_reduced_(float(max_norm), p, *reducer)
         total = self.grad_norm(norm_type, group)
         if error_if_nonfinite and not torch.isfinite(total).item():
             raise RuntimeError(

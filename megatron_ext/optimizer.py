@@ -108,13 +108,14 @@ def enable_flat_norm(opt, model_chunks, *, host_mirrors: bool = True):
         )
     if isinstance(opt, ChainedOptimizer):
         opt.__class__ = _flat_class(type(opt))
-        # Every child's spans in one sequence, for a norm and clip over a shared group: one
-        # replay in all (the same kernels per buffer as the children's own; tables shared).
-        opt._flat_norm_clip = NormClip(
-            [g for c in children for g in c._flat.norm_groups],
-            [g for c in children for g in c._flat.scale_groups],
-            _device(),
-        )
+        if len(children) > 1:  # a chain of one hands everything to its child
+            # Every child's spans in one sequence, for a norm and clip over a shared group:
+            # one replay in all (the same kernels per buffer as the children's; tables shared).
+            opt._flat_norm_clip = NormClip(
+                [g for c in children for g in c._flat.norm_groups],
+                [g for c in children for g in c._flat.scale_groups],
+                _device(),
+            )
     return opt
 
 
@@ -244,9 +245,6 @@ class FlatNormOptimizer:
         for tensor, attr, view in self._flat.bindings:
             setattr(tensor, attr, view)
 
-    def _flat_local_stat(self, norm_type: float = 2.0) -> torch.Tensor:
-        return self._flat_norm_clip.local_stat(norm_type)
-
     def _flat_local_zeros(self) -> torch.Tensor:
         return ops.count_zeros_groups(self._flat.norm_groups, self._flat.padding, _device())
 
@@ -255,18 +253,15 @@ class FlatNormOptimizer:
 
     def _flat_reducer(self):
         """(the all-reduce of a stat over this optimizer's group, whether a graph holds it)"""
-        group = self.get_grad_stats_parallel_group()
-        return (
-            lambda stat: ops.all_reduce_stat(stat, 2.0, group),
-            graphs.reduce_capturable(group, _device()),
-        )
+        return graphs.group_reducer(2.0, self.get_grad_stats_parallel_group(), _device())
 
     @torch.no_grad()
     def get_grad_norm(self):
         return self._flat_norm_clip.norm_reduced(2.0, *self._flat_reducer())
 
     def _flat_clip(self, clip_grad: float) -> torch.Tensor:
-        """Norm over this optimizer's group, then scale: one fused sequence, no sync."""
+        """Norm over this optimizer's group (a chain's: every child's spans), then scale:
+        one fused sequence, no sync."""
         return self._flat_norm_clip.clip_reduced_(clip_grad, 2.0, *self._flat_reducer())
 
     def clip_grad_norm(self, clip_grad: float):
@@ -395,8 +390,8 @@ class FlatChainedOptimizer:
     def _active(self):
         return [c for c in self.chained_optimizers if not getattr(c, "is_stub_optimizer", False)]
 
-    def _flat_reducer(self):
-        return FlatNormOptimizer._flat_reducer(self)
+    _flat_reducer = FlatNormOptimizer._flat_reducer
+    _flat_clip = FlatNormOptimizer._flat_clip
 
     @torch.no_grad()
     def get_grad_norm(self):
@@ -421,10 +416,6 @@ class FlatChainedOptimizer:
             for child in self._active():
                 child._flat_scale(grad_norm, clip_grad)
         return grad_norm
-
-    def _flat_clip(self, clip_grad: float) -> torch.Tensor:
-        """Norm over every child's spans and the shared group, then scale them all."""
-        return self._flat_norm_clip.clip_reduced_(clip_grad, 2.0, *self._flat_reducer())
 
     @torch.no_grad()
     def count_zeros(self):
