@@ -129,17 +129,13 @@ def run(args, device: torch.device) -> list[dict]:
     return records
 
 
-def _ms(v: float) -> str:
-    return f"{v * 1e3:.3f}"
-
-
 TABLE = (
     common.Column("inventory", "inventory"),
     common.Column("variant", "variant"),
-    common.Column("MiB", "bytes", lambda v: f"{v / 2**20:.1f}"),
-    common.Column("time ms", "time_s", _ms),
-    common.Column("clip cost ms", "clip_cost_s", _ms),
-    common.Column("norm floor ms", "norm_floor_s", _ms),
+    common.Column("MiB", "bytes", common.show_mib),
+    common.Column("time ms", "time_s", common.show_ms),
+    common.Column("clip cost ms", "clip_cost_s", common.show_ms),
+    common.Column("norm floor ms", "norm_floor_s", common.show_ms),
     common.Column("clip / floor", "clip_per_floor", lambda v: f"{v:.2f}"),
     common.Column("folded vs explicit", "grad_rel_err", lambda v: f"{v:.1e}"),
     common.Column("error", "error", lambda v: v.splitlines()[0][:48]),

@@ -364,6 +364,16 @@ def save_figure(fig, out_dir: Path, name: str) -> Path:
     return path
 
 
+def show_ms(seconds: float) -> str:
+    """A table cell: seconds as milliseconds, 3 decimals."""
+    return f"{seconds * 1e3:.3f}"
+
+
+def show_mib(nbytes: float) -> str:
+    """A table cell: bytes as MiB, 1 decimal."""
+    return f"{nbytes / 2**20:.1f}"
+
+
 def gib(nbytes: float) -> float:
     """Bytes in GiB."""
     return nbytes / 2**30

@@ -305,21 +305,17 @@ def plot(records: list[dict], out_dir: Path) -> Path:
     return common.save_figure(fig, out_dir, "norm_clip")
 
 
-def _ms(v: float) -> str:
-    return f"{v * 1e3:.3f}"
-
-
 TABLE = (
     common.Column("inventory", "inventory"),
     common.Column("variant", "label"),
     common.Column("op", "op"),
     common.Column("params", "num_params"),
-    common.Column("MiB", "bytes", lambda v: f"{v / 2**20:.1f}"),
-    common.Column("time ms", "time_s", _ms),
+    common.Column("MiB", "bytes", common.show_mib),
+    common.Column("time ms", "time_s", common.show_ms),
     common.Column("host us", "host_time_s", lambda v: f"{v * 1e6:.0f}"),
     common.Column("p10-p90 us", "host_range"),
     common.Column("burst us", "host_time_burst_s", lambda v: f"{v * 1e6:.0f}"),
-    common.Column("floor ms", "floor_s", _ms),
+    common.Column("floor ms", "floor_s", common.show_ms),
     common.Column("ratio", "ratio", lambda v: f"{v:.2f}"),
     common.Column("syncs", "host_syncs"),
     common.Column("norm", "norm", lambda v: f"{v:.6g}"),

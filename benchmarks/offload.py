@@ -361,16 +361,8 @@ def plot(records: list[dict], out_dir: Path) -> Path:
     return common.save_figure(fig, out_dir, NAME)
 
 
-def _ms(v: float) -> str:
-    return f"{v * 1e3:.3f}"
-
-
 def _gbps(v: float) -> str:
     return f"{v / 1e9:.2f}"
-
-
-def _mib(v: float) -> str:
-    return f"{v / 2**20:.1f}"
 
 
 TABLE = (
@@ -378,18 +370,18 @@ TABLE = (
     common.Column("variant", "variant"),
     common.Column("params", "offloaded_params"),
     common.Column("D2H copies", "d2h_copies"),
-    common.Column("D2H MiB", "d2h_bytes", _mib),
-    common.Column("D2H ms", "d2h_s", _ms),
+    common.Column("D2H MiB", "d2h_bytes", common.show_mib),
+    common.Column("D2H ms", "d2h_s", common.show_ms),
     common.Column("GB/s", "d2h_Bps", _gbps),
     common.Column("ceiling GB/s", "ceiling_Bps", _gbps),
     common.Column("% ceiling", "ceiling_ratio", lambda v: f"{100 * v:.0f}"),
-    common.Column("convert ms", "convert_s", _ms),
-    common.Column("CPU step ms", "cpu_step_s", _ms),
-    common.Column("pack ms", "pack_s", _ms),
+    common.Column("convert ms", "convert_s", common.show_ms),
+    common.Column("CPU step ms", "cpu_step_s", common.show_ms),
+    common.Column("pack ms", "pack_s", common.show_ms),
     common.Column("H2D copies", "h2d_copies"),
-    common.Column("H2D ms", "h2d_s", _ms),
-    common.Column("pinned MiB", "pinned_bytes", _mib),
-    common.Column("owned MiB", "owned_bytes", _mib),
+    common.Column("H2D ms", "h2d_s", common.show_ms),
+    common.Column("pinned MiB", "pinned_bytes", common.show_mib),
+    common.Column("owned MiB", "owned_bytes", common.show_mib),
     common.Column("error", "error", lambda v: v.splitlines()[0][:48]),
 )
 
