@@ -6,7 +6,8 @@ lookup, one ``dist.all_reduce`` of a scalar, one clone, one graph replay), and n
 with the all-reduce inside the CUDA graph against between two replays
 (``BUFFERS_GRAPH_COLLECTIVES=0``). Run on the GPU machine after ``gpu_session.sh`` installed
 megatron-core: ``PYTHONPATH=/tmp/site:$PWD python3 scripts/probe_host.py``. Output in
-docs/gpu-test-log.md (run 16).
+docs/gpu-test-log.md (run 16). ``probe_host.py models`` times norm and clip on the model
+inventories instead, in interleaved rounds (run 22); no argument runs both.
 """
 
 import os
@@ -62,15 +63,54 @@ def probe(count, device):
     print("captures", child._flat_norm_clip.replay.captures)
 
 
+def probe_models(device, rounds=3, reps=200):
+    """Host time of norm and clip on the model inventories (norm_clip's sizes), ours flat
+    and through megatron_ext, measured in ``rounds`` interleaved rounds: whether a slow row
+    is the row or the moment it was measured."""
+    from benchmarks.norm_clip import AUTO_BYTES
+    from benchmarks.norm_clip_variants import flat
+
+    builders = {
+        "dense_gpt": lambda s: inventories.dense_stage("dense_gpt", inventories.GPT_STAGE, s),
+        "deepseek_moe": lambda s: inventories.moe_stage(
+            "deepseek_moe", inventories.DEEPSEEK_STAGE, s
+        ),
+    }
+    for name, build in builders.items():
+        inv = build(inventories.fit_scale(build, AUTO_BYTES["cuda"]))
+        preps = {"flat": flat(make_params(inv, device), device)}
+        preps["megatron"] = flat_megatron(make_params(inv, device), device)
+        opt = preps["megatron"].clip.__closure__[0].cell_contents
+        child = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+        calls = {}
+        for label, prep in preps.items():
+            fill_random(prep.grads, device)
+            calls[f"{label} norm"] = prep.norm
+            calls[f"{label} clip"] = lambda prep=prep: prep.clip(1e9)
+            calls[f"{label} clip scaling"] = lambda prep=prep: prep.clip(0.0)
+        calls["megatron child.get_grad_norm"] = child.get_grad_norm
+        print(f"--- {name}: {inv.num_params} parameters, {preps['megatron'].fields['note']}")
+        for r in range(rounds):
+            print(f"round {r}")
+            for label, fn in calls.items():
+                stats(label, fn, device, reps)
+        del preps, opt, child, calls
+        torch.cuda.empty_cache()
+
+
 def main():
+    what = sys.argv[1:] or ["scaling", "models"]
     device = torch.device("cuda")
     with (
         tempfile.TemporaryDirectory() as tmp,
         common.single_rank_process_group(f"file://{tmp}/store"),
     ):
-        for count in (80, 10000):
-            probe(count, device)
-            torch.cuda.empty_cache()
+        if "scaling" in what:
+            for count in (80, 10000):
+                probe(count, device)
+                torch.cuda.empty_cache()
+        if "models" in what:
+            probe_models(device)
 
 
 if __name__ == "__main__":

@@ -282,6 +282,63 @@ def test_checkpoint_saved_with_option_on_is_the_one_stock_saves(tmp_path, fmt):
     _same(_stock_load_outcome(paths[True], fmt), _stock_load_outcome(paths[False], fmt), "load")
 
 
+DIRECTIONS = [(True, True), (True, False), (False, True), (False, False)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    "saved_with,loaded_with", DIRECTIONS, ids=["on-on", "on-off", "off-on", "off-off"]
+)
+def test_round_trip_every_direction_on_megatron_apex_path(
+    tmp_path, monkeypatch, fmt, saved_with, loaded_with
+):
+    """Save with the option on or off, load into a fresh model with it on or off, train on.
+
+    megatron-core's Apex code path (``apex_standin``: the test machine has no TE/Apex, and
+    without them stock cannot load its own distributed-optimizer checkpoints). The loaded
+    run must continue bit for bit like the run that saved: the same parameters after three
+    more steps (``dp_reshardable`` into stock: stock's own failure, asserted below).
+    Clipping is out of reach (``clip_grad=1e9``, coefficient exactly 1) so on and off take
+    identical steps; their reported norms sum the squares in different orders and agree to
+    fp32 rounding.
+    """
+    from apex_standin import FusedAdam, use_apex_path
+
+    use_apex_path(monkeypatch)
+    model, opt = build(saved_with, clip_grad=1e9)
+    assert all(isinstance(c.optimizer, FusedAdam) for c in opt.chained_optimizers)
+    train(model, opt, 3)
+    save(model, opt, tmp_path / "ckpt", fmt)
+    want_params, want_state = params_of(model), optimizer_state(opt)
+    assert group_steps(opt) == [3] * len(group_steps(opt))
+
+    other, other_opt = build(loaded_with, seed=1, clip_grad=1e9)  # fresh, never stepped
+    if fmt == "dp_reshardable" and not loaded_with:
+        # Stock megatron-core 0.19.2 loads dp_reshardable without no_grad, copying into its
+        # fp32 shards (views of parameters that require grad): it fails on any model with
+        # fp32 parameters, whoever saved the checkpoint. The option loads it (on-on, off-on).
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            load(other, other_opt, tmp_path / "ckpt", fmt)
+        return
+    load_and_compare(other, other_opt, tmp_path / "ckpt", fmt, want_params, want_state)
+    assert group_steps(other_opt) == group_steps(opt)
+
+    continued = train(model, opt, 3, first_step=3)
+    resumed = train(other, other_opt, 3, first_step=3)
+    for name, p in params_of(other).items():
+        assert torch.equal(p, params_of(model)[name]), f"{name} differs after resuming"
+    assert group_steps(other_opt) == group_steps(opt) == [6] * len(group_steps(opt))
+    if saved_with == loaded_with:
+        assert continued == resumed
+    else:
+        assert continued == pytest.approx(resumed, rel=1e-5)
+
+
+def group_steps(opt):
+    """The ``step`` count of every param group of every child (Apex's layout)."""
+    return [g.get("step") for c in opt.chained_optimizers for g in c.optimizer.param_groups]
+
+
 def test_refused_checkpoint_format_fails_loudly(tmp_path):
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
