@@ -4,12 +4,15 @@ Stretch of issue 6. Three ways to run one step of torch's fused AdamW over the d
 GPT-like inventory's gradients, all in ``FlatGradBuffers``:
 
 - ``step``: ``optimizer.step()`` alone, no clipping (the lower bound);
+- ``clip``: ``fgb.clip_grad_norm_(max_norm)`` alone, no step (what the clip costs by
+  itself, to compare with what it adds to a step);
 - ``clip+step``: ``fgb.clip_grad_norm_(max_norm)`` then ``optimizer.step()``;
 - ``folded``: ``fgb.clipped_step(optimizer, max_norm, fold=True)``: the norm pass, then
   the step with the clip coefficient as the fused kernel's ``grad_scale`` (no separate
   scale launch).
 
-Each row's ``clip cost`` is its time minus ``step``'s, and is compared with the norm pass's
+Each step row's ``clip cost`` is its time minus ``step``'s (the ``clip`` row's is its own
+time), and is compared with the norm pass's
 floor (bytes / copy bandwidth, measured in the same run) as ``clip / floor``. Timing is
 device time (CUDA events) on CUDA, ``perf_counter`` on the CPU. Timed calls use
 ``max_norm=0``: the coefficient is 0 at every call, so the scale can never take its
@@ -38,7 +41,7 @@ RECORD_FIELDS = (
     "time_kind", "clip_cost_s", "norm_floor_s", "clip_per_floor", "grad_rel_err", "error",
     "error_at",
 )  # fmt: skip
-VARIANTS = ("step", "clip+step", "folded")
+VARIANTS = ("step", "clip", "clip+step", "folded")
 AUTO_BYTES = {"cpu": 8 * 2**20, "cuda": 2 * 2**30}
 TIMED_MAX_NORM = 0.0  # coefficient 0 every call: the scale always runs
 CHECK_MAX_NORM = 1.0  # far below the norm of unit-normal gradients: coefficient in (0, 1)
@@ -73,6 +76,8 @@ def build(inv, device: torch.device, seed: int = 0):
 def call_of(variant: str, fgb, opt, max_norm: float = TIMED_MAX_NORM):
     if variant == "step":
         return opt.step
+    if variant == "clip":
+        return lambda: fgb.clip_grad_norm_(max_norm)
     if variant == "clip+step":
         return lambda: (fgb.clip_grad_norm_(max_norm), opt.step())
     return lambda: fgb.clipped_step(opt, max_norm, fold=True)
@@ -123,9 +128,10 @@ def run(args, device: torch.device) -> list[dict]:
         records.append(rec)
     base = records[0]["time_s"]
     for rec in records[1:]:
-        if rec["time_s"] is not None and base is not None:
-            rec["clip_cost_s"] = rec["time_s"] - base
-            rec["clip_per_floor"] = rec["clip_cost_s"] / floor
+        if rec["time_s"] is None or base is None:
+            continue
+        rec["clip_cost_s"] = rec["time_s"] - (0.0 if rec["variant"] == "clip" else base)
+        rec["clip_per_floor"] = rec["clip_cost_s"] / floor
     return records
 
 
