@@ -18,9 +18,10 @@ scale alone is at the floor when ``clip`` is at its floor.
 Writes DIR/norm_clip.json, one record per (inventory, variant, op), fields:
 ``inventory, series ("model" | "scaling"), variant, path, op, device, num_params, bytes,
 max_norm, time_s, time_kind ("cuda_events" | "perf_counter"), host_time_s (median host
-seconds to issue one call, the device drained before each), host_time_p10_s,
-host_time_p90_s, host_time_burst_s (``flat`` rows only: median over 15 bursts of the mean
-host seconds per call when 20 calls are issued back to back), bandwidth_Bps,
+seconds to issue one call, the device drained before each, sampled in 5 rounds that
+interleave a variant's ops), host_time_p10_s, host_time_p90_s, host_time_burst_s (``flat``
+rows only: median over 15 bursts, 3 per round, of the mean host seconds per call when 20
+calls are issued back to back), bandwidth_Bps,
 floor_s, ratio (time_s / floor_s), host_syncs (null on the CPU), norm, norm_ref (fp64),
 rel_err, note, error, error_at``; and DIR/norm_clip.png.
 """
@@ -52,6 +53,8 @@ OPS: dict[str, tuple[float | None, int]] = {
     "clip": (0.0, 3),
     "clip_noop": (1e30, 1),
 }
+HOST_ROUNDS = 5  # host times are sampled in this many interleaved rounds (measure_host)
+BURSTS_PER_ROUND = 3
 RECORD_FIELDS = (
     "inventory", "series", "variant", "path", "op", "device", "num_params", "bytes", "max_norm",
     "time_s", "time_kind", "host_time_s", "host_time_p10_s", "host_time_p90_s",
@@ -161,15 +164,9 @@ def reference_norm(grads: list[torch.Tensor]) -> float:
     return float(torch.as_tensor(total).sqrt())
 
 
-def measure(
-    prep: Prepared, op: str, device: torch.device, warmup: int, reps: int, burst: bool = False
-) -> dict:
-    """Accuracy first (fresh values), then device time, host time and host syncs of one op.
-
-    ``burst``: also the host time per call issued back to back (graph replays only).
-    """
-    max_norm = OPS[op][0]
-    call = prep.norm if max_norm is None else (lambda: prep.clip(max_norm))
+def measure(prep: Prepared, op: str, device: torch.device, warmup: int, reps: int) -> dict:
+    """Accuracy first (fresh values), then device time and host syncs of one op."""
+    call = _call(prep, op)
     fill_random(prep.grads, device)
     ref = reference_norm(prep.grads)
     norm = float(call())
@@ -178,11 +175,40 @@ def measure(
         "norm_ref": ref,
         "rel_err": abs(norm - ref) / ref,
         "time_s": common.device_time(call, device, warmup, reps),
-        **_host_fields(common.host_times(call, device, reps)),
-        "host_time_burst_s": (
-            statistics.median(common.burst_host_times(call, device)) if burst else None
-        ),
         "host_syncs": common.count_host_syncs(call, device),
+    }
+
+
+def _call(prep: Prepared, op: str):
+    max_norm = OPS[op][0]
+    return prep.norm if max_norm is None else (lambda: prep.clip(max_norm))
+
+
+def measure_host(
+    prep: Prepared, ops: list[str], device: torch.device, reps: int, burst: bool
+) -> dict[str, dict]:
+    """Host-time fields per op, sampled in :data:`HOST_ROUNDS` interleaved rounds.
+
+    Each round times every op (``reps / HOST_ROUNDS`` calls each, device drained before
+    each call), so a moment when the machine is slow (seen on the test machine: one row's
+    median doubling in one round only, ``scripts/probe_host.py models``) is spread over all
+    ops instead of landing on whichever row was measured then. Median and p10/p90 over all
+    rounds' calls. ``burst``: also the host time per call issued back to back (graph replays
+    only), :data:`BURSTS_PER_ROUND` bursts per op per round, median over all of them.
+    """
+    per_round = max(1, -(-reps // HOST_ROUNDS))
+    times: dict[str, list[float]] = {op: [] for op in ops}
+    bursts: dict[str, list[float]] = {op: [] for op in ops}
+    for _ in range(HOST_ROUNDS):
+        for op in ops:
+            call = _call(prep, op)
+            times[op] += common.host_times(call, device, per_round)
+            if burst:
+                bursts[op] += common.burst_host_times(call, device, bursts=BURSTS_PER_ROUND)
+    return {
+        op: _host_fields(times[op])
+        | {"host_time_burst_s": statistics.median(bursts[op]) if burst else None}
+        for op in ops
     }
 
 
@@ -220,6 +246,7 @@ def run_variant(
         prep = VARIANTS[label](make_params(inv, device), device)
     except Exception as exc:  # a variant that cannot even be set up still gets its rows
         prep, setup_error = None, common.error_fields(exc)
+    measured = []
     for op in ops:
         max_norm, passes = OPS[op]
         rec = dict.fromkeys(RECORD_FIELDS) | base | {"op": op, "max_norm": max_norm}
@@ -229,12 +256,17 @@ def run_variant(
         else:
             rec |= prep.fields
             try:
-                burst = rec["variant"] == "flat"  # ours: a few launches per call
-                rec |= measure(prep, op, device, warmup, reps, burst)
+                rec |= measure(prep, op, device, warmup, reps)
                 rec["ratio"] = rec["time_s"] / rec["floor_s"]
+                measured.append(op)
             except Exception as exc:  # e.g. megatron's clip asserting fp32 gradients
                 rec |= common.error_fields(exc)
         records.append(rec)
+    if measured:
+        burst = records[0]["variant"] == "flat"  # ours: a few launches per call
+        host = measure_host(prep, measured, device, reps, burst)
+        for rec in records:
+            rec |= host.get(rec["op"], {})
     return records
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,3 +154,23 @@ def test_burst_host_times_counts_every_call():
     calls = []
     times = common.burst_host_times(lambda: calls.append(1), torch.device("cpu"), 4, 3)
     assert len(times) == 3 and len(calls) == 12 and all(t >= 0 for t in times)
+
+
+def test_norm_clip_host_times_interleave_ops_in_rounds():
+    """A slow moment on the machine must not land on one row: every round times every op."""
+    script = load_script("norm_clip")
+    order = []
+    prep = script.Prepared(
+        [], lambda: order.append("norm"), lambda max_norm: order.append(max_norm)
+    )
+    ops = ["norm", "clip"]
+    host = script.measure_host(prep, ops, torch.device("cpu"), reps=10, burst=True)
+    runs = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
+    assert len(runs) == 2 * script.HOST_ROUNDS  # norm, clip, norm, clip, ...
+    assert order.count("norm") == order.count(0.0) >= 10
+    for op in ops:
+        fields = host[op]
+        assert 0 < fields["host_time_p10_s"] <= fields["host_time_s"] <= fields["host_time_p90_s"]
+        assert fields["host_time_burst_s"] > 0
+    no_burst = script.measure_host(prep, ops, torch.device("cpu"), reps=2, burst=False)
+    assert no_burst["clip"]["host_time_burst_s"] is None
