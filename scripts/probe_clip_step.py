@@ -43,7 +43,7 @@ def main():
     dense = lambda s: inventories.dense_stage("dense_gpt", inventories.GPT_STAGE, s)  # noqa: E731
     inv = dense(inventories.fit_scale(dense, 2 * 2**30))
     print(inventories.describe([inv]))
-    _, fgb, opt = clip_step.build(inv, device)
+    params, fgb, opt = clip_step.build(inv, device)
     clip = lambda: fgb.clip_grad_norm_(0.0)  # noqa: E731 - coefficient 0: the scale always runs
     noop = lambda: fgb.clip_grad_norm_(1e30)  # noqa: E731 - coefficient 1: the scale exits
     sequences = {
@@ -61,8 +61,8 @@ def main():
     for buf in fgb.buffers.values():
         buf.zero_()
     print(f"{'step, zero grads':18s}", f"step {timed({'step': opt.step})['step']:7.3f} ms")
-    for buf in fgb.buffers.values():
-        buf.normal_()
+    for p in params:
+        p.grad.normal_()
     print(f"{'step, fresh grads':18s}", f"step {timed({'step': opt.step})['step']:7.3f} ms")
 
 
