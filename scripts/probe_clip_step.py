@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks import clip_step, inventories  # noqa: E402
+from benchmarks import clip_step, common, inventories  # noqa: E402
 
 REPS, WARMUP = 30, 5
 
@@ -58,6 +58,10 @@ def main():
     for label, parts in sequences.items():
         got = timed(parts)
         print(f"{label:18s}", "  ".join(f"{n} {ms:7.3f} ms" for n, ms in got.items()))
+    # As benchmarks/clip_step.py times (common.device_time: calls back to back, no sync).
+    for label, fn in (("step", opt.step), ("clip, step", lambda: (clip(), opt.step()))):
+        ms = common.device_time(fn, device, WARMUP, REPS) * 1e3
+        print(f"{label:18s} back to back (device_time) {ms:7.3f} ms")
     for buf in fgb.buffers.values():
         buf.zero_()
     print(f"{'step, zero grads':18s}", f"step {timed({'step': opt.step})['step']:7.3f} ms")

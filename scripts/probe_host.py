@@ -7,7 +7,8 @@ with the all-reduce inside the CUDA graph against between two replays
 (``BUFFERS_GRAPH_COLLECTIVES=0``). Run on the GPU machine after ``gpu_session.sh`` installed
 megatron-core: ``PYTHONPATH=/tmp/site:$PWD python3 scripts/probe_host.py``. Output in
 docs/gpu-test-log.md (run 16). ``probe_host.py models`` times norm and clip on the model
-inventories instead, in interleaved rounds (run 22); no argument runs both.
+inventories instead, in interleaved rounds (run 22); ``profile``: a cProfile of the Megatron
+path's norm and clip; no argument runs ``scaling`` and ``models``.
 """
 
 import os
@@ -98,6 +99,30 @@ def probe_models(device, rounds=3, reps=200):
         torch.cuda.empty_cache()
 
 
+def profile_calls(device, calls=2000):
+    """cProfile of the Megatron path's norm and clip (graph replays), by own time: where
+    the host microseconds per call go. A 256 MiB MoE inventory (a chain of two)."""
+    import cProfile
+    import pstats
+
+    build = lambda s: inventories.moe_stage("deepseek_moe", inventories.DEEPSEEK_STAGE, s)  # noqa: E731
+    inv = build(inventories.fit_scale(build, 256 * 2**20))
+    prep = flat_megatron(make_params(inv, device), device)
+    fill_random(prep.grads, device)
+    for label, fn in (("norm", prep.norm), ("clip", lambda: prep.clip(1e9))):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"--- profile: Megatron path {label}, {calls} calls ({prep.fields['note']})")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
 def main():
     what = sys.argv[1:] or ["scaling", "models"]
     device = torch.device("cuda")
@@ -111,6 +136,8 @@ def main():
                 torch.cuda.empty_cache()
         if "models" in what:
             probe_models(device)
+        if "profile" in what:
+            profile_calls(device)
 
 
 if __name__ == "__main__":
