@@ -48,8 +48,16 @@ def reduce_capturable(group, device: torch.device) -> bool:
     megatron-core's full-iteration graphs do); a replay then launches the all-reduce with
     the rest, one host call in all. Other backends (gloo) run the reduction between replays.
     """
-    if not graphs_enabled(device) or os.environ.get("BUFFERS_GRAPH_COLLECTIVES", "1") == "0":
-        return False
+    return _capture_allowed(device) and _is_nccl(group)
+
+
+def _capture_allowed(device: torch.device) -> bool:
+    """The part of :func:`reduce_capturable` that may change between calls."""
+    return graphs_enabled(device) and os.environ.get("BUFFERS_GRAPH_COLLECTIVES", "1") != "0"
+
+
+def _is_nccl(group) -> bool:
+    """The part of :func:`reduce_capturable` fixed for a group once it exists."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -61,10 +69,27 @@ def reduce_capturable(group, device: torch.device) -> bool:
     return "nccl" in backend.lower()
 
 
-def group_reducer(p: float, group, device: torch.device):
-    """``(reduce, capture_reduce)`` for :meth:`NormClip.norm_reduced` / ``clip_reduced_``:
-    the one all-reduce of a p-stat over ``group``, and whether a graph may hold it."""
-    return (lambda stat: ops.all_reduce_stat(stat, p, group)), reduce_capturable(group, device)
+class GroupReducer:
+    """The one all-reduce of a p-stat over ``group``, for :meth:`NormClip.norm_reduced`
+    and :meth:`NormClip.clip_reduced_`: ``norm_reduced(p, *reducer.args())``.
+
+    Built once per group and kept by the caller: the group's backend is looked up here,
+    not on every call; whether a graph may hold the all-reduce (:func:`reduce_capturable`)
+    is still re-read per call for what can change (graphs on or off, the environment).
+    """
+
+    def __init__(self, p: float, group, device: torch.device) -> None:
+        self.p = p
+        self.group = group
+        self.device = device
+        self._nccl = _is_nccl(group)
+
+    def reduce(self, stat: torch.Tensor) -> torch.Tensor:
+        return ops.all_reduce_stat(stat, self.p, self.group)
+
+    def args(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
+        """``(reduce, capture_reduce)``."""
+        return self.reduce, self._nccl and _capture_allowed(self.device)
 
 
 class GraphReplayer:

@@ -193,7 +193,10 @@ class FlatGradBuffers:
         p = ops.check_norm_type(norm_type)
         if group is None:
             return self._norm_clip.norm(p)
-        return self._norm_clip.norm_reduced(p, *graphs.group_reducer(p, group, self.device))
+        # Built per call, not kept: holding the group past destroy_process_group() can
+        # abort the process when these buffers are freed later (seen with gloo).
+        reducer = graphs.GroupReducer(p, group, self.device)
+        return self._norm_clip.norm_reduced(p, *reducer.args())
 
     def clip_grad_norm_(
         self,
@@ -218,8 +221,8 @@ class FlatGradBuffers:
             p = ops.check_norm_type(norm_type)
             if group is None:
                 return self._norm_clip.clip_(float(max_norm), p)
-            reducer = graphs.group_reducer(p, group, self.device)
-            return self._norm_clip.clip_reduced_(float(max_norm), p, *reducer)
+            reducer = graphs.GroupReducer(p, group, self.device)
+            return self._norm_clip.clip_reduced_(float(max_norm), p, *reducer.args())
         total = self.grad_norm(norm_type, group)
         if error_if_nonfinite and not torch.isfinite(total).item():
             raise RuntimeError(

@@ -251,9 +251,20 @@ class FlatNormOptimizer:
     def _flat_scale(self, total_norm: torch.Tensor, max_norm: float) -> None:
         self._flat_norm_clip.scale_by_norm_(total_norm, max_norm)
 
-    def _flat_reducer(self):
-        """(the all-reduce of a stat over this optimizer's group, whether a graph holds it)"""
-        return graphs.group_reducer(2.0, self.get_grad_stats_parallel_group(), _device())
+    def _flat_reducer(self, group=None):
+        """(the all-reduce of a stat over ``group``, default this optimizer's, whether a
+        graph holds it)
+
+        The :class:`buffers.graphs.GroupReducer` is kept while the group stays the same
+        object (megatron-core fixes it at construction), so its backend is looked up once.
+        """
+        if group is None:
+            group = self.get_grad_stats_parallel_group()
+        reducer = self.__dict__.get("_flat_group_reducer")
+        if reducer is None or reducer.group is not group:
+            reducer = graphs.GroupReducer(2.0, group, self._flat_norm_clip.device)
+            self._flat_group_reducer = reducer
+        return reducer.args()
 
     @torch.no_grad()
     def get_grad_norm(self):
@@ -390,7 +401,12 @@ class FlatChainedOptimizer:
     def _active(self):
         return [c for c in self.chained_optimizers if not getattr(c, "is_stub_optimizer", False)]
 
-    _flat_reducer = FlatNormOptimizer._flat_reducer
+    def _flat_reducer(self):
+        # Only called where grads_states_parallel_group_is_shared() was just checked, so the
+        # first child's group is every child's (the chain's own getter would check again).
+        group = self.chained_optimizers[0].get_grad_stats_parallel_group()
+        return FlatNormOptimizer._flat_reducer(self, group)
+
     _flat_clip = FlatNormOptimizer._flat_clip
 
     @torch.no_grad()

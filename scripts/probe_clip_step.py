@@ -6,10 +6,13 @@ with CUDA events between its parts, so each part's device time inside the sequen
 which one slows down: median ms over 30 calls after 5 warm-up calls. Sequences: each part
 alone, clip then step, step then clip, norm then step, a no-op clip (coefficient 1: the norm,
 then a scale that exits at once) then step, and the step alone on all-zero gradients (what
-the clip with ``max_norm=0`` leaves behind). Run on the GPU machine after ``gpu_session.sh``
-installed megatron-core: ``PYTHONPATH=/tmp/site:$PWD python3 scripts/probe_clip_step.py``.
+the clip with ``max_norm=0`` leaves behind); then "clip, step" timed as the benchmark
+times it (``common.device_time``), on the same objects and on freshly built ones. Run on
+the GPU machine after ``gpu_session.sh`` installed megatron-core:
+``PYTHONPATH=/tmp/site:$PWD python3 scripts/probe_clip_step.py``.
 """
 
+import gc
 import statistics
 import sys
 
@@ -38,11 +41,8 @@ def timed(parts):
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
-def main():
-    device = torch.device("cuda")
-    dense = lambda s: inventories.dense_stage("dense_gpt", inventories.GPT_STAGE, s)  # noqa: E731
-    inv = dense(inventories.fit_scale(dense, 2 * 2**30))
-    print(inventories.describe([inv]))
+def probe_shared(inv, device):
+    """Every sequence on one set of buffers and one optimizer."""
     params, fgb, opt = clip_step.build(inv, device)
     clip = lambda: fgb.clip_grad_norm_(0.0)  # noqa: E731 - coefficient 0: the scale always runs
     noop = lambda: fgb.clip_grad_norm_(1e30)  # noqa: E731 - coefficient 1: the scale exits
@@ -68,6 +68,20 @@ def main():
     for p in params:
         p.grad.normal_()
     print(f"{'step, fresh grads':18s}", f"step {timed({'step': opt.step})['step']:7.3f} ms")
+
+
+def main():
+    device = torch.device("cuda")
+    dense = lambda s: inventories.dense_stage("dense_gpt", inventories.GPT_STAGE, s)  # noqa: E731
+    inv = dense(inventories.fit_scale(dense, 2 * 2**30))
+    print(inventories.describe([inv]))
+    probe_shared(inv, device)
+    # As the benchmark does: the previous objects gone, fresh ones, "clip, step" timed first.
+    gc.collect()
+    _, fgb, opt = clip_step.build(inv, device)
+    fn = lambda: (fgb.clip_grad_norm_(0.0), opt.step())  # noqa: E731
+    ms = common.device_time(fn, device, WARMUP, REPS) * 1e3
+    print(f"{'clip, step':18s} fresh build, back to back (device_time) {ms:7.3f} ms")
 
 
 if __name__ == "__main__":
