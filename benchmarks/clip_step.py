@@ -11,7 +11,8 @@ GPT-like inventory's gradients, all in ``FlatGradBuffers``:
   the step with the clip coefficient as the fused kernel's ``grad_scale`` (no separate
   scale launch).
 
-Each step row's ``clip cost`` is its time minus ``step``'s (the ``clip`` row's is its own
+All rows are timed on one set of parameters, buffers and optimizer. Each step row's
+``clip cost`` is its time minus ``step``'s (the ``clip`` row's is its own
 time), and is compared with the norm pass's
 floor (bytes / copy bandwidth, measured in the same run) as ``clip / floor``. Timing is
 device time (CUDA events) on CUDA, ``perf_counter`` on the CPU. Timed calls use
@@ -109,6 +110,14 @@ def run(args, device: torch.device) -> list[dict]:
     bandwidth = common.copy_bandwidth(inv.nbytes, device, warmup, reps)
     floor = inv.nbytes / bandwidth
     records = []
+    # One set of parameters, buffers and optimizer for every row, as in training: timing
+    # each row on objects built after the previous row's were freed added about 1.7 ms to
+    # a 10 ms step on the H200 (scripts/probe_clip_step.py, run 24), which the earlier
+    # tables took for a cost of the clip.
+    try:
+        shared = build(inv, device)
+    except Exception as e:  # noqa: BLE001 - reported on every row
+        shared, setup_error = None, common.error_fields(e)
     for variant in common.progress(list(VARIANTS), "clip_step"):
         rec = {
             "inventory": inv.name, "variant": variant, "device": device.type,
@@ -117,10 +126,12 @@ def run(args, device: torch.device) -> list[dict]:
             "norm_floor_s": floor, "time_s": None, "clip_cost_s": None,
             "clip_per_floor": None, "grad_rel_err": None, "error": None, "error_at": None,
         }  # fmt: skip
+        if shared is None:
+            records.append(rec | setup_error)
+            continue
         try:
-            params, fgb, opt = build(inv, device)
+            _, fgb, opt = shared
             rec["time_s"] = common.device_time(call_of(variant, fgb, opt), device, warmup, reps)
-            del params, fgb, opt
             if variant == "folded":
                 rec["grad_rel_err"] = agreement(inv, device)
         except Exception as e:  # noqa: BLE001 - a failing row is reported, not fatal
