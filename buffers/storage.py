@@ -249,7 +249,7 @@ class FlatGradBuffers:
         writing the gradients; torch's kernel writes the divided gradients back, so
         ``.grad`` ends up clipped as after an explicit clip. Measured on an H200 with torch 2.11
         (``benchmarks/clip_step.py``, docs/RESULTS.md) folding was *slower* than the
-        explicit clip (4.9 ms against 3.3 ms on top of the step for 2 GiB of gradients), so
+        explicit clip (2.5 ms against 1.6 ms on top of the step for 2 GiB of gradients), so
         it is off by default. Otherwise, and for any other optimizer: ``clip_grad_norm_``
         and then ``step()``. Either way every parameter the optimizer holds must have its
         gradient in these buffers, or the norm would not count it (``ValueError``).
