@@ -68,16 +68,10 @@ def probe_models(device, rounds=3, reps=200):
     """Host time of norm and clip on the model inventories (norm_clip's sizes), ours flat
     and through megatron_ext, measured in ``rounds`` interleaved rounds: whether a slow row
     is the row or the moment it was measured."""
-    from benchmarks.norm_clip import AUTO_BYTES
+    from benchmarks.norm_clip import AUTO_BYTES, MODEL_BUILDERS
     from benchmarks.norm_clip_variants import flat
 
-    builders = {
-        "dense_gpt": lambda s: inventories.dense_stage("dense_gpt", inventories.GPT_STAGE, s),
-        "deepseek_moe": lambda s: inventories.moe_stage(
-            "deepseek_moe", inventories.DEEPSEEK_STAGE, s
-        ),
-    }
-    for name, build in builders.items():
+    for name, build in MODEL_BUILDERS.items():
         inv = build(inventories.fit_scale(build, AUTO_BYTES["cuda"]))
         preps = {"flat": flat(make_params(inv, device), device)}
         preps["megatron"] = flat_megatron(make_params(inv, device), device)
@@ -105,7 +99,9 @@ def profile_calls(device, calls=2000):
     import cProfile
     import pstats
 
-    build = lambda s: inventories.moe_stage("deepseek_moe", inventories.DEEPSEEK_STAGE, s)  # noqa: E731
+    from benchmarks.norm_clip import MODEL_BUILDERS
+
+    build = MODEL_BUILDERS["deepseek_moe"]
     inv = build(inventories.fit_scale(build, 256 * 2**20))
     prep = flat_megatron(make_params(inv, device), device)
     fill_random(prep.grads, device)
