@@ -14,7 +14,10 @@ pytestmark = [
 ]
 
 HIDDEN = 128
-FORMATS = ["fully_reshardable", "dp_reshardable"]
+FORMATS = ["fully_reshardable", "dp_reshardable", "dp_zero_gather_scatter"]
+# Stock megatron-core 0.19.2 loads these without no_grad, copying into its fp32 shards (views
+# of parameters that require grad): it fails on any model with fp32 parameters.
+STOCK_CANNOT_LOAD = {"dp_reshardable", "dp_zero_gather_scatter"}
 # megatron-core 0.19.2 itself refuses to save this deprecated format, option on or off.
 REFUSED = "fully_sharded_model_space"
 
@@ -297,7 +300,7 @@ def test_round_trip_every_direction_on_megatron_apex_path(
     megatron-core's Apex code path (``apex_standin``: the test machine has no TE/Apex, and
     without them stock cannot load its own distributed-optimizer checkpoints). The loaded
     run must continue bit for bit like the run that saved: the same parameters after three
-    more steps (``dp_reshardable`` into stock: stock's own failure, asserted below).
+    more steps (``STOCK_CANNOT_LOAD`` formats into stock: stock's own failure, asserted).
     Clipping is out of reach (``clip_grad=1e9``, coefficient exactly 1) so on and off take
     identical steps; their reported norms sum the squares in different orders and agree to
     fp32 rounding.
@@ -313,10 +316,8 @@ def test_round_trip_every_direction_on_megatron_apex_path(
     assert group_steps(opt) == [3] * len(group_steps(opt))
 
     other, other_opt = build(loaded_with, seed=1, clip_grad=1e9)  # fresh, never stepped
-    if fmt == "dp_reshardable" and not loaded_with:
-        # Stock megatron-core 0.19.2 loads dp_reshardable without no_grad, copying into its
-        # fp32 shards (views of parameters that require grad): it fails on any model with
-        # fp32 parameters, whoever saved the checkpoint. The option loads it (on-on, off-on).
+    if fmt in STOCK_CANNOT_LOAD and not loaded_with:
+        # Whoever saved the checkpoint; the option loads these formats (on-on, off-on).
         with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
             load(other, other_opt, tmp_path / "ckpt", fmt)
         return
