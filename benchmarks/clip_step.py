@@ -104,8 +104,7 @@ def agreement(inv, device: torch.device) -> float:
 def run(args, device: torch.device) -> list[dict]:
     warmup, reps = common.repeats(args, device)
     target = args.bytes or AUTO_BYTES[device.type]
-    dense = lambda s: inventories.dense_stage("dense_gpt", inventories.GPT_STAGE, s)  # noqa: E731
-    inv = dense(inventories.fit_scale(dense, target))
+    inv = inventories.model_stage("dense_gpt", target)
     print(inventories.describe([inv]), file=sys.stderr)
     bandwidth = common.copy_bandwidth(inv.nbytes, device, warmup, reps)
     floor = inv.nbytes / bandwidth

@@ -243,6 +243,20 @@ def fit_scale(build: Callable[[float], Inventory], target_bytes: float) -> float
     return min(1.0, math.sqrt(target_bytes / build(1.0).nbytes))
 
 
+# The two model inventories the benchmarks use, by name: width scale -> Inventory.
+MODEL_STAGES: dict[str, Callable[[float], Inventory]] = {
+    "dense_gpt": lambda s: dense_stage("dense_gpt", GPT_STAGE, s),
+    "deepseek_moe": lambda s: moe_stage("deepseek_moe", DEEPSEEK_STAGE, s),
+}
+
+
+def model_stage(name: str, target_bytes: float) -> Inventory:
+    """The model inventory ``name`` of :data:`MODEL_STAGES`, scaled to about
+    ``target_bytes`` of gradients (:func:`fit_scale`)."""
+    build = MODEL_STAGES[name]
+    return build(fit_scale(build, target_bytes))
+
+
 def describe(inventories: Sequence[Inventory]) -> str:
     """One line per inventory: parameters, bytes, and parameters per dtype."""
     lines = []

@@ -124,19 +124,12 @@ def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-# The model inventories by name: scale -> Inventory.
-MODEL_BUILDERS = {
-    "dense_gpt": lambda s: inventories.dense_stage("dense_gpt", inventories.GPT_STAGE, s),
-    "deepseek_moe": lambda s: inventories.moe_stage("deepseek_moe", inventories.DEEPSEEK_STAGE, s),
-}
-
-
 def build_inventories(args, device: torch.device) -> list[Inventory]:
     """The model inventories at the requested scale, then the scaling series."""
     out = []
-    for build in MODEL_BUILDERS.values():
+    for name, build in inventories.MODEL_STAGES.items():
         if args.scale == "auto":
-            out.append(build(inventories.fit_scale(build, AUTO_BYTES[device.type])))
+            out.append(inventories.model_stage(name, AUTO_BYTES[device.type]))
         else:
             out.append(build(args.scale))
     total = args.scaling_bytes or SCALING_BYTES[device.type]

@@ -111,13 +111,7 @@ class ShardBuffer:
 def build_inventories(args, device: torch.device) -> list[Inventory]:
     """The two model inventories, scaled to about ``--bytes`` of gradients each."""
     target = args.bytes or AUTO_BYTES[device.type]
-    builders = {
-        "dense_gpt": lambda s: inventories.dense_stage("dense_gpt", inventories.GPT_STAGE, s),
-        "deepseek_moe": lambda s: inventories.moe_stage(
-            "deepseek_moe", inventories.DEEPSEEK_STAGE, s
-        ),
-    }
-    return [build(inventories.fit_scale(build, target)) for build in builders.values()]
+    return [inventories.model_stage(name, target) for name in inventories.MODEL_STAGES]
 
 
 def shard_buffers(inv: Inventory, args, device: torch.device) -> list[ShardBuffer]:

@@ -6,23 +6,25 @@ megatron-core's Apex code path (``tests/gpu/apex_standin.py``), in all four dire
 (saved with the option on/off, loaded with it on/off): save after three steps, load into a
 fresh model, compare every parameter and optimizer state tensor, train three more steps
 and compare the parameters with the run that saved. Prints one line per case: ``identical``,
-``DIFFERS`` (what), or the exception. Uses the GPU reliability tests' helpers. Run on the
-GPU machine after ``gpu_session.sh`` installed megatron-core:
+``DIFFERS`` (the first difference), or the exception. Uses the GPU reliability tests'
+helpers. Run on the GPU machine after ``gpu_session.sh`` installed megatron-core:
 ``PYTHONPATH=/tmp/site:$PWD python3 scripts/probe_ckpt_formats.py``.
 """
 
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 import apex_standin  # noqa: E402
 import test_reliability_gpu as rel  # noqa: E402
+
+from benchmarks import common  # noqa: E402
 
 FORMATS = ["fully_reshardable", "dp_reshardable", "dp_zero_gather_scatter"]
 FORMATS += ["fully_sharded_model_space"]
@@ -45,50 +47,45 @@ def case(tmp: Path, fmt: str, saved_with: bool, loaded_with: bool, apex: bool) -
     if not apex:
         rel.train(other, other_opt, 1, first_step=50)  # torch Adam needs a "step" first
     try:
-        rel.load(other, other_opt, tmp / "ckpt", fmt)
+        rel.load_and_compare(other, other_opt, tmp / "ckpt", fmt, want_params, want_state)
+    except AssertionError as e:  # the tests' own comparison: first difference
+        return "DIFFERS after loading: " + first_line(e)
     except Exception as e:  # noqa: BLE001
         return "load: " + first_line(e)
-    bad = [n for n, p in rel.params_of(other).items() if not torch.equal(p, want_params[n])]
-    got_state = rel.optimizer_state(other_opt)
-    if [k for k, _ in got_state] != [k for k, _ in want_state]:
-        bad.append("state keys")
-    else:
-        bad += [k for (k, a), (_, b) in zip(got_state, want_state, strict=True)
-                if not torch.equal(a, b)]  # fmt: skip
-    if bad:
-        return f"DIFFERS after loading: {sorted(set(bad))}"
     rel.train(model, opt, 3, first_step=3)
     try:
         rel.train(other, other_opt, 3, first_step=3)
     except Exception as e:  # noqa: BLE001
         return "train after loading: " + first_line(e)
-    after = [n for n, p in rel.params_of(other).items()
-             if not torch.equal(p, rel.params_of(model)[n])]  # fmt: skip
+    want = rel.params_of(model)
+    after = [n for n, p in rel.params_of(other).items() if not torch.equal(p, want[n])]
     return f"DIFFERS after 3 more steps: {after}" if after else "identical, 3 more steps too"
 
 
 def main():
     from megatron.core import parallel_state as ps
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    ps.initialize_model_parallel()
-    directions = [(True, True), (True, False), (False, True), (False, False)]
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        common.single_rank_process_group(f"file://{tmp}/store"),
+    ):
+        ps.initialize_model_parallel()
+        probe_all()
+        ps.destroy_model_parallel()
+
+
+def probe_all():
     for apex in (False, True):
         with pytest.MonkeyPatch.context() as mp:
             if apex:
                 apex_standin.use_apex_path(mp)
             for fmt in FORMATS:
-                for saved_with, loaded_with in directions:
+                for saved_with, loaded_with in rel.DIRECTIONS:
                     name = f"{'on' if saved_with else 'off'}->{'on' if loaded_with else 'off'}"
                     with tempfile.TemporaryDirectory() as tmp:
                         out = case(Path(tmp), fmt, saved_with, loaded_with, apex)
                     path = "apex " if apex else "torch"
                     print(f"{path} {fmt:26s} {name:8s} {out}", flush=True)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

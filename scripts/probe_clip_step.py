@@ -44,8 +44,8 @@ def timed(parts):
 def probe_shared(inv, device):
     """Every sequence on one set of buffers and one optimizer."""
     params, fgb, opt = clip_step.build(inv, device)
-    clip = lambda: fgb.clip_grad_norm_(0.0)  # noqa: E731 - coefficient 0: the scale always runs
-    noop = lambda: fgb.clip_grad_norm_(1e30)  # noqa: E731 - coefficient 1: the scale exits
+    clip = clip_step.call_of("clip", fgb, opt)  # coefficient 0: the scale always runs
+    noop = clip_step.call_of("clip", fgb, opt, 1e30)  # coefficient 1: the scale exits
     sequences = {
         "step alone": {"step": opt.step},
         "clip alone": {"clip": clip},
@@ -59,8 +59,8 @@ def probe_shared(inv, device):
         got = timed(parts)
         print(f"{label:18s}", "  ".join(f"{n} {ms:7.3f} ms" for n, ms in got.items()))
     # As benchmarks/clip_step.py times (common.device_time: calls back to back, no sync).
-    for label, fn in (("step", opt.step), ("clip, step", lambda: (clip(), opt.step()))):
-        ms = common.device_time(fn, device, WARMUP, REPS) * 1e3
+    for label in ("step", "clip+step"):
+        ms = common.device_time(clip_step.call_of(label, fgb, opt), device, WARMUP, REPS) * 1e3
         print(f"{label:18s} back to back (device_time) {ms:7.3f} ms")
     for buf in fgb.buffers.values():
         buf.zero_()
@@ -72,22 +72,17 @@ def probe_shared(inv, device):
 
 def main():
     device = torch.device("cuda")
-    dense = lambda s: inventories.dense_stage("dense_gpt", inventories.GPT_STAGE, s)  # noqa: E731
-    inv = dense(inventories.fit_scale(dense, 2 * 2**30))
+    inv = inventories.model_stage("dense_gpt", 2 * 2**30)
     print(inventories.describe([inv]))
     probe_shared(inv, device)
     # As the benchmark does: the previous objects gone, fresh ones, "clip, step" timed first.
     gc.collect()
     _, fgb, opt = clip_step.build(inv, device)
-    fn = lambda: (fgb.clip_grad_norm_(0.0), opt.step())  # noqa: E731
-    for label, f in (("clip, step", fn), ("step", opt.step), ("clip, step", fn)):
-        ms = common.device_time(f, device, WARMUP, REPS) * 1e3
+    for label in ("clip+step", "step", "clip+step"):
+        ms = common.device_time(clip_step.call_of(label, fgb, opt), device, WARMUP, REPS) * 1e3
         print(f"{label:18s} fresh build, back to back (device_time) {ms:7.3f} ms")
-    print(f"{'clip, step':18s} fresh build, parts", timed({"clip": clip_of(fgb), "step": opt.step}))
-
-
-def clip_of(fgb):
-    return lambda: fgb.clip_grad_norm_(0.0)
+    parts = {"clip": clip_step.call_of("clip", fgb, opt), "step": opt.step}
+    print(f"{'clip, step':18s} fresh build, parts", timed(parts))
 
 
 if __name__ == "__main__":

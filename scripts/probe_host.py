@@ -68,11 +68,11 @@ def probe_models(device, rounds=3, reps=200):
     """Host time of norm and clip on the model inventories (norm_clip's sizes), ours flat
     and through megatron_ext, measured in ``rounds`` interleaved rounds: whether a slow row
     is the row or the moment it was measured."""
-    from benchmarks.norm_clip import AUTO_BYTES, MODEL_BUILDERS
+    from benchmarks.norm_clip import AUTO_BYTES
     from benchmarks.norm_clip_variants import flat
 
-    for name, build in MODEL_BUILDERS.items():
-        inv = build(inventories.fit_scale(build, AUTO_BYTES["cuda"]))
+    for name in inventories.MODEL_STAGES:
+        inv = inventories.model_stage(name, AUTO_BYTES["cuda"])
         preps = {"flat": flat(make_params(inv, device), device)}
         preps["megatron"] = flat_megatron(make_params(inv, device), device)
         opt = preps["megatron"].clip.__closure__[0].cell_contents
@@ -99,10 +99,7 @@ def profile_calls(device, calls=2000):
     import cProfile
     import pstats
 
-    from benchmarks.norm_clip import MODEL_BUILDERS
-
-    build = MODEL_BUILDERS["deepseek_moe"]
-    inv = build(inventories.fit_scale(build, 256 * 2**20))
+    inv = inventories.model_stage("deepseek_moe", 256 * 2**20)
     prep = flat_megatron(make_params(inv, device), device)
     fill_random(prep.grads, device)
     for label, fn in (("norm", prep.norm), ("clip", lambda: prep.clip(1e9))):
