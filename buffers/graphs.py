@@ -83,13 +83,30 @@ class GroupReducer:
         self.group = group
         self.device = device
         self._nccl = _is_nccl(group)
+        self.key = group_key(group)
 
     def reduce(self, stat: torch.Tensor) -> torch.Tensor:
         return ops.all_reduce_stat(stat, self.p, self.group)
 
-    def args(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
-        """``(reduce, capture_reduce)``."""
-        return self.reduce, self._nccl and _capture_allowed(self.device)
+    def args(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool, object]:
+        """``(reduce, capture_reduce, reduce_key)``."""
+        return self.reduce, self._nccl and _capture_allowed(self.device), self.key
+
+
+def group_key(group) -> object:
+    """What tells one process group from another in a graph key, holding no reference.
+
+    A captured all-reduce is bound to its group: a norm over another group must be another
+    graph. The group's name is unique among live groups; its ``id`` is added for group
+    objects without one (the name alone would be ``None``).
+    """
+    if group is None:
+        return None
+    try:
+        name = group.group_name
+    except (AttributeError, RuntimeError):
+        name = None
+    return (name, id(group))
 
 
 class GraphReplayer:
@@ -286,15 +303,18 @@ class NormClip:
         p: float,
         reduce: Callable[[torch.Tensor], torch.Tensor],
         capture_reduce: bool = False,
+        reduce_key: object = None,
     ) -> torch.Tensor:
         """The norm of ``reduce`` (e.g. an all-reduce) applied to the local stat.
 
         With ``capture_reduce`` the reduction is captured in the same graph (one replay per
         call; see :func:`reduce_capturable`); otherwise it runs between replays.
-        Returns a fresh tensor.
+        ``reduce_key`` names the reduction (:func:`group_key`): a captured graph is replayed
+        only for the same key, so a call over another group never replays this one's
+        all-reduce. Returns a fresh tensor.
         """
         if capture_reduce:
-            key = ("norm_reduced", p)
+            key = ("norm_reduced", p, reduce_key)
             return self.replay(key, lambda: ops.finish_norm(reduce(self._stat(p)), p)).clone()
         return ops.finish_norm(reduce(self.local_stat(p)), p)
 
@@ -304,6 +324,7 @@ class NormClip:
         p: float,
         reduce: Callable[[torch.Tensor], torch.Tensor],
         capture_reduce: bool = False,
+        reduce_key: object = None,
     ) -> torch.Tensor:
         """Like :meth:`clip_` with ``reduce`` (e.g. an all-reduce) applied to the local stat.
 
@@ -311,7 +332,8 @@ class NormClip:
         coefficient and the scale: one replay per call. Otherwise two replays around the
         reduction: the local stat (into a fixed tensor), then norm, coefficient and scale.
         Either way every call runs ``reduce``'s work exactly once (a collective stays one
-        collective per call on every rank). Returns the pre-clip norm (a fresh tensor).
+        collective per call on every rank). ``reduce_key``: as in :meth:`norm_reduced`.
+        Returns the pre-clip norm (a fresh tensor).
         """
         self._set_max(max_norm)
         if capture_reduce:
@@ -319,7 +341,7 @@ class NormClip:
             def run_all() -> torch.Tensor:
                 return self._clip_to_max(ops.finish_norm(reduce(self._stat(p)), p))
 
-            return self.replay(("clip_reduced", p), run_all).clone()
+            return self.replay(("clip_reduced", p, reduce_key), run_all).clone()
         self.replay(("stat_in", p), lambda: self._stat_in.copy_(self._stat(p)))
         reduced = reduce(self._stat_in)
         if reduced is not self._stat_in:  # an out-of-place reduction (the inf-norm's)

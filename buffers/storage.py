@@ -31,6 +31,23 @@ def _named(params: ParamsArg) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _binding_check(owner: weakref.ref, name: str, ptr: int):
+    """A post-accumulate hook: mark ``name`` escaped when its ``.grad`` left the view."""
+
+    def check(p: torch.Tensor) -> None:
+        fgb = owner()
+        if fgb is not None and (p.grad is None or p.grad.data_ptr() != ptr):
+            fgb._escaped[id(p)] = name
+
+    return check
+
+
+def _remove_hooks(hooks) -> None:
+    for handle in hooks:
+        handle.remove()
+    hooks.clear()
+
+
 class FlatGradBuffers:
     """One contiguous gradient buffer per dtype; each parameter's ``.grad`` is a view of it.
 
@@ -84,6 +101,7 @@ class FlatGradBuffers:
         self._param_by_id = {id(p): p for _, p in self._params}
         self._escaped: dict[int, str] = {}
         self._checked_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        hooks = []
         for dt, b in self.plan.buffers.items():
             for slot in b.slots:
                 name, p = self._params[slot.index]
@@ -92,7 +110,15 @@ class FlatGradBuffers:
                     view.copy_(p.grad)
                 p.grad = view
                 self._views[id(p)] = view
-                p.register_post_accumulate_grad_hook(self._make_binding_check(name, view))
+                hooks.append(
+                    p.register_post_accumulate_grad_hook(
+                        _binding_check(weakref.ref(self), name, view.data_ptr())
+                    )
+                )
+        # The hooks hold these buffers only weakly, so a FlatGradBuffers built again over
+        # the same parameters does not keep this one alive; when this one is collected, or
+        # closed, its hooks go too.
+        self._hooks = weakref.finalize(self, _remove_hooks, hooks)
 
         def views(spans_of):
             return [
@@ -130,14 +156,20 @@ class FlatGradBuffers:
             )
         return device
 
-    def _make_binding_check(self, name: str, view: torch.Tensor):
-        ptr = view.data_ptr()
+    def close(self) -> None:
+        """Remove the hooks these buffers put on the parameters (idempotent).
 
-        def check(p: torch.Tensor) -> None:
-            if p.grad is None or p.grad.data_ptr() != ptr:
-                self._escaped[id(p)] = name
+        The ``.grad`` views stay bound; nothing checks them any more. Also what leaving a
+        ``with FlatGradBuffers(...) as fgb:`` block does, and what happens when these
+        buffers are garbage-collected.
+        """
+        self._hooks()
 
-        return check
+    def __enter__(self) -> FlatGradBuffers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _raise_if_escaped(self) -> None:
         if self._escaped:

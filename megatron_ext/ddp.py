@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import torch
 from megatron.core.distributed import DistributedDataParallel as _MCoreDDP
@@ -88,32 +89,84 @@ class DistributedDataParallel(_MCoreDDP):
 
 
 def _records(buf, names: dict) -> tuple[GradRecord, ...]:
-    out = []
-    for p, (start, end, bucket) in buf.param_index_map.items():
-        out.append(
-            GradRecord(
-                name=names.get(p, "<unnamed>"),
-                start=start,
-                end=end,
-                bucket=bucket,
-                excluded_because=exclusion_reason(**param_flags(p)),
-            )
-        )
+    """The buffer's layout: one record per parameter, sorted by start.
+
+    Whether each counts toward the norm depends on the optimizer's process groups, so it is
+    decided when the optimizer is built (:func:`counted_records`), not here.
+    """
+    out = [
+        GradRecord(name=names.get(p, "<unnamed>"), start=start, end=end, bucket=bucket)
+        for p, (start, end, bucket) in buf.param_index_map.items()
+    ]
     return tuple(sorted(out, key=lambda r: r.start))
 
 
-def param_flags(p: torch.Tensor) -> dict:
-    """The attributes Megatron's norm filter reads, with this rank's TP ranks."""
-    from megatron.core import parallel_state as ps
+def counted_records(buf, records, tp_group=None, expert_tp_group=None) -> tuple[GradRecord, ...]:
+    """``records`` of ``buf`` with each one's exclusion verdict for these process groups."""
+    by_start = {start: p for p, (start, _end, _bucket) in buf.param_index_map.items()}
+    return tuple(
+        replace(
+            r,
+            excluded_because=exclusion_reason(
+                **param_flags(by_start[r.start], tp_group, expert_tp_group)
+            ),
+        )
+        for r in records
+    )
 
-    ready = ps.model_parallel_is_initialized()
+
+def param_flags(p: torch.Tensor, tp_group=None, expert_tp_group=None) -> dict:
+    """The attributes Megatron's norm filter reads, with this rank's ranks in the given groups.
+
+    ``tp_group`` / ``expert_tp_group`` are the groups the optimizer was built with
+    (megatron-core sets them from ``pg_collection`` as ``optimizer.tp_group`` and
+    ``optimizer.expert_tp_group``). As in megatron-core's
+    ``param_is_not_tensor_parallel_duplicate``, expert parameters use ``expert_tp_group``
+    when there is one, else ``tp_group``. Without groups, megatron-core's global parallel
+    state when it is initialised; with neither, only a single-process job is accepted (any
+    other would count every tensor-parallel duplicate on every rank).
+    """
+    if tp_group is not None:
+        tp_rank = tp_group.rank()
+        expert_tp_rank = (expert_tp_group if expert_tp_group is not None else tp_group).rank()
+    elif expert_tp_group is not None:
+        raise ValueError("expert_tp_group given without tp_group; pass both (pg_collection)")
+    else:
+        tp_rank, expert_tp_rank = _global_tp_ranks()
     return {
         "shared": bool(getattr(p, "shared", False)),
         "tensor_model_parallel": bool(getattr(p, "tensor_model_parallel", False)),
         "is_expert": not getattr(p, "allreduce", True),
-        "tp_rank": ps.get_tensor_model_parallel_rank() if ready else 0,
-        "expert_tp_rank": ps.get_expert_tensor_parallel_rank() if ready else 0,
+        "tp_rank": tp_rank,
+        "expert_tp_rank": expert_tp_rank,
+        "gtp_duplicate": _is_gtp_duplicate(p),
     }
+
+
+def _global_tp_ranks() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "the optimizer has no tp_group / expert_tp_group and megatron-core's parallel "
+            "state is not initialised, so which parameters are tensor-parallel duplicates "
+            "on this rank is unknown; build the optimizer with megatron_ext."
+            "get_megatron_optimizer(..., pg_collection=...) or call "
+            "megatron.core.parallel_state.initialize_model_parallel() first"
+        )
+    return 0, 0
+
+
+def _is_gtp_duplicate(p: torch.Tensor) -> bool:
+    """megatron-core's GTP-remat duplicate rule, where the installed version has one."""
+    try:
+        from megatron.core.tensor_parallel.layers import param_is_not_gtp_duplicate
+    except ImportError:  # megatron-core before 0.19 has no GTP remat
+        return False
+    return not param_is_not_gtp_duplicate(p)
 
 
 def buffer_buckets(buf) -> tuple[Span, ...]:

@@ -358,13 +358,11 @@ def _children(optimizer) -> list:
 
 def _placed_targets(model_chunks, children) -> list[tuple[int, int, object, BufferTarget]]:
     """(child index, model chunk index, buffer, target) for every target of every child."""
-    # A target keeps its buffer's records tuple itself, which identifies the buffer.
     where = {}
     for chunk, m in enumerate(model_chunks):
-        for buf in m.all_grad_buffers():
-            records = getattr(m, "grad_records", {}).get(id(buf))
-            if records is not None:  # chunks without per_dtype_grad_buffers have none
-                where[id(records)] = (chunk, buf)
+        if getattr(m, "per_dtype_grad_buffers", False):  # other chunks have no flat state
+            for buf in m.all_grad_buffers():
+                where[id(buf)] = (chunk, buf)
     out = []
     for i, child in enumerate(children):
         flat = getattr(child, "_flat", None)
@@ -374,12 +372,12 @@ def _placed_targets(model_chunks, children) -> list[tuple[int, int, object, Buff
                 "megatron_ext.get_megatron_optimizer from chunks with per_dtype_grad_buffers=True"
             )
         for t in flat.targets:
-            if id(t.records) not in where:
+            if id(t.buffer) not in where:
                 raise ValueError(
                     f"the buffer {t.name!r} of optimizer {i} is in none of the model chunks "
                     "given; pass the chunks the optimizer was built from"
                 )
-            out.append((i, *where[id(t.records)], t))
+            out.append((i, *where[id(t.buffer)], t))
     return out
 
 

@@ -19,6 +19,7 @@ from buffers import graphs, ops
 from buffers.graphs import NormClip
 
 from . import offload
+from .ddp import counted_records
 from .targets import FlatOptimizerState, buffer_target, mirror_view
 
 
@@ -163,11 +164,16 @@ def _build_state(child, buffers, records, islands) -> FlatOptimizerState:
         candidates = child.buffers
     else:
         candidates = [b for b in buffers if any(id(p) in mine for p in b.param_index_map)]
+    # Loss-scaled optimizers unscale only what they read: the norm reads that too.
+    scaled = getattr(child, "grad_scaler", None) is not None
+    tp_group = getattr(child, "tp_group", None)
+    expert_tp_group = getattr(child, "expert_tp_group", None)
     targets = []
     by_buffer = {}
     for buf in candidates:
-        inside = [id(p) in mine for p in buf.param_index_map]
-        if not all(inside):
+        # The distributed optimizer holds only the parameters that overlap this rank's
+        # shard of each bucket, and every buffer in child.buffers is its own.
+        if not distributed and not all(id(p) in mine for p in buf.param_index_map):
             raise RuntimeError(
                 f"the optimizer holds only some parameters of a {buf.grad_dtype} gradient "
                 "buffer; per_dtype_grad_buffers=True needs each buffer wholly in one optimizer"
@@ -179,10 +185,11 @@ def _build_state(child, buffers, records, islands) -> FlatOptimizerState:
         )
         t = buffer_target(
             buf,
-            records[id(buf)],
+            counted_records(buf, records[id(buf)], tp_group, expert_tp_group),
             sharded=distributed,
             needs_mirror=needs_mirror,
             island=islands.get(id(buf)),
+            norm_reads_mirror=needs_mirror and scaled,
         )
         targets.append(t)
         by_buffer[id(buf)] = (buf, t)

@@ -17,6 +17,7 @@ from buffers.plan import Span, dp_shard_spans, intersect_spans, merge_spans
 
 SHARED = "shared"
 TP_DUPLICATE = "tensor-parallel duplicate"
+GTP_DUPLICATE = "GTP-remat duplicate"
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ def exclusion_reason(
     is_expert: bool,
     tp_rank: int,
     expert_tp_rank: int | None,
+    gtp_duplicate: bool = False,
 ) -> str | None:
     """Why a parameter's gradient does not count toward the norm, or None if it does.
 
@@ -62,9 +64,13 @@ def exclusion_reason(
     tensor-parallel group: the expert one for expert parameters. ``is_expert`` means
     Megatron's ``allreduce=False`` (expert-parallel buffers), not "belongs to an MoE layer":
     with EP = 1 and ETP = TP, experts live in dense buffers and use the dense rank.
+    ``gtp_duplicate`` is megatron-core 0.19's ``not param_is_not_gtp_duplicate(param)``: a
+    replicated parameter on a nonzero rank of the GTP-remat axis (counted on its rank 0).
     """
     if shared:
         return SHARED
+    if gtp_duplicate:
+        return GTP_DUPLICATE
     if tensor_model_parallel:
         return None
     if is_expert and expert_tp_rank is None:

@@ -28,6 +28,7 @@ class BufferTarget:
     scale_views: list[torch.Tensor]  # views of what the optimizer reads (grad buffer or mirror)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src)
     mirror: torch.Tensor | None = None  # fp32 copy of this rank's shard, when one is needed
+    buffer: object = None  # the megatron-core buffer itself
 
 
 @dataclass
@@ -63,7 +64,15 @@ def _views(t: torch.Tensor, spans) -> list[torch.Tensor]:
     return [t[s.start : s.end] for s in spans]
 
 
-def buffer_target(buf, records, *, sharded: bool, needs_mirror: bool, island=None) -> BufferTarget:
+def buffer_target(
+    buf,
+    records,
+    *,
+    sharded: bool,
+    needs_mirror: bool,
+    island=None,
+    norm_reads_mirror: bool = False,
+) -> BufferTarget:
     """The target for one buffer.
 
     Args:
@@ -74,6 +83,9 @@ def buffer_target(buf, records, *, sharded: bool, needs_mirror: bool, island=Non
             they get one flat fp32 mirror of the owned ranges, filled by one copy per range.
         island: the buffer's fp32 local-accumulation island, if any (scaled too, since an
             optimizer may read those gradients from it).
+        norm_reads_mirror: the norm reads the mirror instead of the gradient buffer. With a
+            loss scaler megatron-core unscales only the copies the optimizer reads (the
+            mirror), so the buffer still holds the scaled gradients.
     """
     if sharded:
         group = buf.data_parallel_group
@@ -81,7 +93,11 @@ def buffer_target(buf, records, *, sharded: bool, needs_mirror: bool, island=Non
     else:
         spans = rank_spans(records, buf.numel)
     grad = buf.grad_data
-    target = BufferTarget(describe(buf), tuple(records), spans, _views(grad, spans.norm), [])
+    target = BufferTarget(
+        describe(buf), tuple(records), spans, _views(grad, spans.norm), [], buffer=buf
+    )
+    if norm_reads_mirror and not needs_mirror:
+        raise ValueError("norm_reads_mirror needs a mirror (needs_mirror=True)")
     if needs_mirror:
         mirror = torch.zeros(spans.owned_numel, dtype=torch.float32, device=grad.device)
         target.mirror = mirror
@@ -92,6 +108,8 @@ def buffer_target(buf, records, *, sharded: bool, needs_mirror: bool, island=Non
             for s, end in zip(spans.owned, ends, strict=True)
         ]
         target.scale_views = [mirror]
+        if norm_reads_mirror:
+            target.norm_views = _views(mirror, to_local(spans.norm, spans.owned))
     else:
         target.scale_views = _views(grad, spans.owned)
     if island is not None:

@@ -224,6 +224,29 @@ def test_group_reducer_reduces_the_stat_over_its_group(monkeypatch):
     monkeypatch.setattr(graphs.ops, "all_reduce_stat", lambda s, p, g: calls.append((p, g)) or s)
     group = object()
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    reduce, capture = graphs.GroupReducer(1.0, group, torch.device("cpu")).args()
+    reduce, capture, _key = graphs.GroupReducer(1.0, group, torch.device("cpu")).args()
     stat = torch.tensor(3.0)
     assert reduce(stat) is stat and calls == [(1.0, group)] and capture is False
+
+
+def test_group_key_tells_groups_apart_without_holding_them():
+    import gc
+    import weakref
+
+    class Group:
+        def __init__(self, name):
+            self.group_name = name
+
+    a, b = Group("1"), Group("2")
+    assert graphs.group_key(a) != graphs.group_key(b)
+    assert graphs.group_key(a) == graphs.group_key(a)
+    assert graphs.group_key(None) is None
+    nameless = object()
+    assert graphs.group_key(nameless) == (None, id(nameless))
+    ref = weakref.ref(a)
+    reducer = graphs.GroupReducer(2.0, b, torch.device("cpu"))
+    key = graphs.group_key(a)
+    del a
+    gc.collect()
+    assert ref() is None and key is not None  # the key does not keep the group alive
+    assert reducer.args()[2] == graphs.group_key(b)

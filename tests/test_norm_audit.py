@@ -160,9 +160,10 @@ def fake_model(records, buckets=None, dp=(1, 0), tp_flags=None):
     numel = max(r.end for r in records)
     buf = types.SimpleNamespace(param_index_map=params, numel=numel)
     spans = rank_spans(records, numel, buckets, *dp) if buckets else rank_spans(records, numel)
-    target = types.SimpleNamespace(name="bf16 grads of bf16 params (dense)", records=records)
-    target.spans = spans
-    chunk = types.SimpleNamespace(all_grad_buffers=lambda: [buf], grad_records={id(buf): records})
+    target = types.SimpleNamespace(
+        name="bf16 grads of bf16 params (dense)", records=records, buffer=buf, spans=spans
+    )
+    chunk = types.SimpleNamespace(all_grad_buffers=lambda: [buf], per_dtype_grad_buffers=True)
     return chunk, types.SimpleNamespace(_flat=types.SimpleNamespace(targets=[target]))
 
 

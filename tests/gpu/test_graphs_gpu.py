@@ -221,3 +221,45 @@ def test_reduced_over_nccl_is_one_replay_with_the_all_reduce_inside(
     # captured at call 2, none after; the twin: one per call, never captured.
     assert calls == [False, False, True, False, False, False, False]
     assert fgb._norm_clip.replay.captures == 1
+
+
+@pytest.mark.parametrize("op", ["norm", "clip"])
+def test_a_captured_reduction_is_replayed_only_for_its_own_group(op):
+    """Two stand-in groups whose reductions multiply the stat by 4 and by 9: a graph
+    captured with the first is never replayed for the second (issue 15, item 4)."""
+    params, fgb = make()
+    nc = fgb._norm_clip
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    factors = {"group a": 4.0, "group b": 9.0}
+    for key in ["group a", "group a", "group a", "group b", "group b", "group b", "group a"]:
+        fill(params, gen)
+        want = math.sqrt(factors[key]) * ref_norm(params)
+
+        def reduce(stat, f=factors[key]):
+            return stat.mul_(f)
+
+        if op == "norm":
+            got = nc.norm_reduced(2.0, reduce, True, key)
+        else:
+            got = nc.clip_reduced_(1e30, 2.0, reduce, True, key)
+        assert float(got) == pytest.approx(want, rel=1e-5), key
+    assert nc.replay.captures == 2  # one graph per group
+
+
+def test_a_gloo_group_is_reduced_outside_the_graph_with_the_same_result(megatron_world):
+    import torch.distributed as dist
+
+    gloo = dist.new_group([0], backend="gloo")
+    params, fgb = make()
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for _ in range(5):
+        fill(params, gen)
+        local = eager_norm(fgb)
+        assert torch.equal(fgb.grad_norm(group=gloo), local)
+        fill(params, gen)
+        want = ref_norm(params)
+        assert float(fgb.clip_grad_norm_(1e30, group=gloo)) == pytest.approx(want, rel=1e-5)
+    keys = {k[0] for k in fgb._norm_clip.replay._graphs}
+    assert not keys & {"norm_reduced", "clip_reduced"}, keys  # no all-reduce was captured
+    assert keys == {"stat", "stat_in", "finish_scale"}, keys
+    assert fgb._norm_clip.replay.captures >= 2  # the local parts were graphed

@@ -1,0 +1,212 @@
+"""The distributed optimizer at DP = 2 and 4, on the CPU, with fake ranks.
+
+megatron-core's own range functions (``DistributedOptimizer._build_gbuf_range_map`` and
+the group-range builders) decide which parameters each data-parallel rank holds, as they do
+at construction; the flat state is then built for every rank in turn. Oracles: fp64 over
+the whole, unsharded gradients, and megatron-core's own shard ranges and ownership rules.
+"""
+
+import types
+
+import pytest
+import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
+
+from megatron_ext.ddp import _records, param_flags
+from megatron_ext.optimizer import _build_state
+from megatron_ext.spans import exclusion_reason
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+class FakeGroup:
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+def layout(specs, dp, bucket_elems):
+    """(param_index_map, bucket ranges, numel) the way megatron-core pads them: every
+    parameter starts 64-aligned, every bucket ends at a multiple of 64 * dp elements."""
+    index, buckets, pos, start, bucket = {}, [], 0, 0, 0
+    for i, p in enumerate(specs):
+        pos = -(-pos // 64) * 64
+        index[p] = (pos, pos + p.numel(), bucket)
+        pos += p.numel()
+        if pos - start >= bucket_elems or i == len(specs) - 1:
+            end = -(-pos // (64 * dp)) * (64 * dp)
+            buckets.append((start, end))
+            start, pos, bucket = end, end, bucket + 1
+    return index, buckets, pos
+
+
+def fake_buffer(params, dtype, dp, rank, bucket_elems, gen):
+    index, buckets, numel = layout(params, dp, bucket_elems)
+    grad = torch.zeros(numel, dtype=dtype)
+    for s, e, _ in index.values():
+        grad[s:e] = (torch.randn(e - s, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    return types.SimpleNamespace(
+        param_dtype=dtype,
+        grad_dtype=dtype,
+        grad_data=grad,
+        param_data=torch.zeros(numel, dtype=dtype),
+        numel=numel,
+        param_index_map=index,
+        bucket_indices=buckets,
+        buckets=[types.SimpleNamespace(grad_data=grad[s:e], offset=s) for s, e in buckets],
+        data_parallel_group=FakeGroup(rank, dp),
+        num_optimizer_shards=None,
+    )
+
+
+def model(seed=0):
+    """bf16 parameters that straddle bucket and shard boundaries, a shared one, and a small
+    fp32 buffer (a sink and a kept-in-fp32 weight) that some ranks own none of."""
+    torch.manual_seed(seed)
+    bf16 = [torch.nn.Parameter(torch.zeros(n, dtype=BF16)) for n in (300, 1000, 77, 2500, 130)]
+    bf16[2].shared = True
+    fp32 = [torch.nn.Parameter(torch.zeros(n, dtype=FP32)) for n in (64, 40)]
+    names = {p: f"bf16.{i}" for i, p in enumerate(bf16)} | {
+        p: f"fp32.{i}" for i, p in enumerate(fp32)
+    }
+    return bf16, fp32, names
+
+
+def child_for_rank(dp, rank, *, scaled=False, seed=1):
+    bf16, fp32, names = model()
+    gen = torch.Generator().manual_seed(seed)
+    bufs = [
+        fake_buffer(bf16, BF16, dp, rank, 1500, gen),
+        fake_buffer(fp32, FP32, dp, rank, 10**6, gen),
+    ]
+    child = object.__new__(DistributedOptimizer)
+    child.config = types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+    child.grad_scaler = object() if scaled else None
+    child.tp_group = child.expert_tp_group = FakeGroup(0, 1)
+    child.buffers = bufs
+    child.gbuf_ranges = [DistributedOptimizer._build_gbuf_range_map(b) for b in bufs]
+    child.model_param_gbuf_map = DistributedOptimizer._build_model_param_gbuf_map(child.gbuf_ranges)
+    groups = [{"params": bf16 + fp32}]
+    _, group_ranges = DistributedOptimizer._build_optimizer_group_ranges(groups, child.gbuf_ranges)
+    held = group_ranges[0]["params"]
+
+    def shard(p):
+        r = child._get_model_param_range_map(p)["param"]
+        return p.detach().view(-1)[r.start : r.end]
+
+    child.model_float16_groups = [[p for p in held if p.dtype == BF16]]
+    child.shard_fp32_from_float16_groups = [[shard(p).float() for p in held if p.dtype == BF16]]
+    child.model_fp32_groups = [[p for p in held if p.dtype == FP32]]
+    child.shard_fp32_groups = [[shard(p) for p in held if p.dtype == FP32]]
+    for p in held:  # what DDP binds: views of the grad buffer
+        buf = bufs[child.model_param_gbuf_map[p][0]]
+        s, e, _ = buf.param_index_map[p]
+        p.main_grad = buf.grad_data[s:e]
+    records = {id(b): _records(b, names) for b in bufs}
+    return child, bufs, records, held
+
+
+def fp64_counted_sumsq(bufs):
+    total = 0.0
+    for b in bufs:
+        for p, (s, e, _) in b.param_index_map.items():
+            if param_is_not_shared(p):
+                total += b.grad_data[s:e].double().square().sum().item()
+    return total
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_every_rank_builds_and_the_shards_add_up_to_the_fp64_norm(dp):
+    total, holds_fp32 = 0.0, []
+    for rank in range(dp):
+        child, bufs, records, held = child_for_rank(dp, rank)
+        assert len(held) < 7  # megatron-core gave this rank only part of the model
+        state = _build_state(child, bufs, records, {})
+        for dst, src in (c for t in state.targets for c in t.copies):
+            dst.copy_(src)
+        total += sum(v.double().square().sum().item() for g in state.norm_groups for v in g)
+        holds_fp32.append(any(p.dtype == FP32 for p in held))
+        # Every main gradient is this rank's shard of its parameter's gradient, per
+        # megatron-core's own range map.
+        bound = {id(t): v for t, _, v in state.bindings}
+        mains = child.shard_fp32_from_float16_groups[0] + child.shard_fp32_groups[0]
+        models = child.model_float16_groups[0] + child.model_fp32_groups[0]
+        for model_param, main in zip(models, mains, strict=True):
+            r = child._get_model_param_range_map(model_param)["param"]
+            want = model_param.main_grad.view(-1)[r.start : r.end].double()
+            assert torch.equal(bound[id(main)].double(), want)
+    if dp == 4:  # the fp32 buffer is 2 x 64 elements of 4 x 64: ranks 2 and 3 own padding
+        assert holds_fp32 == [True, True, False, False]
+    assert total == pytest.approx(fp64_counted_sumsq(child_for_rank(dp, 0)[1]), rel=1e-12)
+
+
+def test_with_a_loss_scaler_the_norm_reads_the_unscaled_copies():
+    dp, scale = 2, 1024.0
+    total = 0.0
+    for rank in range(dp):
+        child, bufs, records, _ = child_for_rank(dp, rank, scaled=True)
+        state = _build_state(child, bufs, records, {})
+        for dst, src in (c for t in state.targets for c in t.copies):
+            dst.copy_(src)
+        # megatron-core's unscale: in place, on what the optimizer reads (the bindings).
+        for _, _, view in state.bindings:
+            view.div_(scale)
+        total += sum(v.double().square().sum().item() for g in state.norm_groups for v in g)
+    want = fp64_counted_sumsq(child_for_rank(dp, 0)[1]) / scale**2
+    assert total == pytest.approx(want, rel=1e-6)
+
+
+def test_ownership_comes_from_the_optimizer_groups_not_global_state():
+    # megatron-core's own predicates are the oracle; the groups are fakes with set ranks.
+    kinds = {
+        "split": dict(tensor_model_parallel=True),
+        "replicated": {},
+        "shared": dict(shared=True),
+        "expert_replicated": dict(allreduce=False),
+        "expert_split": dict(allreduce=False, tensor_model_parallel=True),
+    }
+    for tp_rank in (0, 1):
+        for etp_rank in (0, 1):
+            tp, etp = FakeGroup(tp_rank, 2), FakeGroup(etp_rank, 2)
+            for name, attrs in kinds.items():
+                p = torch.nn.Parameter(torch.zeros(4))
+                for k, v in attrs.items():
+                    setattr(p, k, v)
+                want = param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(
+                    p, tp_group=tp, expert_tp_group=etp
+                )
+                got = exclusion_reason(**param_flags(p, tp, etp)) is None
+                assert got == want, (name, tp_rank, etp_rank)
+
+
+def test_without_groups_or_parallel_state_a_multi_rank_job_is_refused(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(ValueError, match="tp_group"):
+        param_flags(torch.nn.Parameter(torch.zeros(2)))
+
+
+def test_gtp_remat_duplicates_are_excluded_as_megatron_core_excludes_them(monkeypatch):
+    from megatron.core.tensor_parallel import layers
+
+    if not hasattr(layers, "param_is_not_gtp_duplicate"):
+        pytest.skip("this megatron-core has no GTP remat (before 0.19)")
+    monkeypatch.setattr(layers, "get_gtp_weight_remat_rank", lambda: 1)
+    replicated = torch.nn.Parameter(torch.zeros(4))
+    remat = torch.nn.Parameter(torch.zeros(4))
+    remat.is_gtp_weight_remat = True
+    for p in (replicated, remat):
+        want = layers.param_is_not_gtp_duplicate(p)
+        assert (
+            exclusion_reason(**param_flags(p, FakeGroup(0, 1), FakeGroup(0, 1))) is None
+        ) == want
+    assert not layers.param_is_not_gtp_duplicate(replicated)  # the case is exercised

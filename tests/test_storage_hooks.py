@@ -1,0 +1,75 @@
+"""FlatGradBuffers' post-accumulate hooks: rebuilding over the same parameters, close()."""
+
+import gc
+import math
+import weakref
+
+import torch
+
+from buffers import FlatGradBuffers
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32, dtype=torch.bfloat16))
+    net.register_parameter("sink", torch.nn.Parameter(torch.randn(32)))
+    return net
+
+
+def hooks_on(p) -> int:
+    return len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+
+
+def backward(net, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 16, generator=g, dtype=torch.bfloat16)
+    (net(x).float() * net.sink).square().sum().backward()
+
+
+def fp64_norm(net):
+    return math.sqrt(sum(p.grad.double().square().sum().item() for p in net.parameters()))
+
+
+def test_rebuilding_over_the_same_parameters_releases_the_old_buffers():
+    # The README's advice after adding a parameter: build a new FlatGradBuffers.
+    net = model()
+    old = FlatGradBuffers(net.named_parameters())
+    gone = weakref.ref(old)
+    new = FlatGradBuffers(net.named_parameters())
+    del old
+    gc.collect()
+    assert gone() is None, "the parameters' hooks kept the old FlatGradBuffers alive"
+    assert all(hooks_on(p) == 1 for p in net.parameters())
+    for step in range(2):
+        new.zero_()
+        backward(net, step)
+        assert math.isclose(float(new.grad_norm()), fp64_norm(net), rel_tol=1e-6)
+
+
+def test_close_and_the_with_block_remove_the_hooks():
+    net = model(1)
+    with FlatGradBuffers(net.named_parameters()) as fgb:
+        assert all(hooks_on(p) == 1 for p in net.parameters())
+        fgb.zero_()
+        backward(net, 3)
+        assert math.isclose(float(fgb.grad_norm()), fp64_norm(net), rel_tol=1e-6)
+    assert all(hooks_on(p) == 0 for p in net.parameters())
+    fgb.close()  # idempotent
+    other = FlatGradBuffers(net.named_parameters())
+    assert all(hooks_on(p) == 1 for p in net.parameters())
+    other.close()
+    assert all(hooks_on(p) == 0 for p in net.parameters())
+
+
+def test_an_open_buffer_still_detects_an_escaped_gradient_after_a_rebuild_elsewhere():
+    net, other = model(2), model(3)
+    fgb = FlatGradBuffers(net.named_parameters())
+    FlatGradBuffers(other.named_parameters()).close()
+    net.sink.grad = None
+    backward(net, 4)
+    try:
+        fgb.grad_norm()
+    except RuntimeError as e:
+        assert "sink" in str(e)
+    else:
+        raise AssertionError("an escaped gradient was not detected")
