@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU test machine: install the carried megatron-core wheel, then run the named steps,
 # each under its own time limit, logging to $OUT/<step>.log. Usage: gpu_session.sh STEP...
-# Steps: tests, example, norm_clip, memory, train_step, offload, clip_step.
+# Steps: tests, multirank, example, norm_clip, memory, train_step, offload, clip_step.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -18,10 +18,13 @@ step() {  # name, limit in seconds, command...
 for s in "$@"; do
   case $s in
     tests) step tests ${TESTS_LIMIT:-300} python3 -m pytest -p no:cacheprovider -q -m "cuda or not cuda" \
-      -W ignore::UserWarning -W ignore::DeprecationWarning -rfE tests/gpu tests/test_storage.py \
+      -W ignore::UserWarning -W ignore::DeprecationWarning -rfE tests/gpu \
+      --ignore=tests/gpu/test_multirank_gpu.py tests/test_storage.py tests/test_storage_hooks.py \
       tests/test_lists.py tests/test_backends.py tests/test_distributed.py \
       tests/test_properties.py tests/test_plan.py tests/test_megatron_spans.py \
       tests/test_clipped_step.py ;;
+    multirank) step multirank ${MULTIRANK_LIMIT:-560} python3 -m pytest -p no:cacheprovider -q \
+      -m cuda -s -rfE tests/gpu/test_multirank_gpu.py ;;
     example) step example 120 python3 examples/megatron_quickstart.py ;;
     norm_clip|memory|train_step|offload|clip_step)
       extra=(); [ "$s" = norm_clip ] && extra=(--scaling-counts 80,1000,10000)
