@@ -120,15 +120,16 @@ def param_flags(p: torch.Tensor, tp_group=None, expert_tp_group=None) -> dict:
 
     ``tp_group`` / ``expert_tp_group`` are the groups the optimizer was built with
     (megatron-core sets them from ``pg_collection`` as ``optimizer.tp_group`` and
-    ``optimizer.expert_tp_group``). As in megatron-core's
-    ``param_is_not_tensor_parallel_duplicate``, expert parameters use ``expert_tp_group``
-    when there is one, else ``tp_group``. Without groups, megatron-core's global parallel
-    state when it is initialised; with neither, only a single-process job is accepted (any
-    other would count every tensor-parallel duplicate on every rank).
+    ``optimizer.expert_tp_group``). Expert parameters use ``expert_tp_group``; given
+    ``tp_group`` alone, they have no rank and :func:`~megatron_ext.spans.exclusion_reason`
+    refuses them (megatron-core would fall back to the dense TP rank: the published ETP !=
+    TP undercount). Without groups, megatron-core's global parallel state when it is
+    initialised; with neither, only a single-process job is accepted (any other would count
+    every tensor-parallel duplicate on every rank).
     """
     if tp_group is not None:
         tp_rank = tp_group.rank()
-        expert_tp_rank = (expert_tp_group if expert_tp_group is not None else tp_group).rank()
+        expert_tp_rank = None if expert_tp_group is None else expert_tp_group.rank()
     elif expert_tp_group is not None:
         raise ValueError("expert_tp_group given without tp_group; pass both (pg_collection)")
     else:

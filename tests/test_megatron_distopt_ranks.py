@@ -186,6 +186,15 @@ def test_ownership_comes_from_the_optimizer_groups_not_global_state():
                 assert got == want, (name, tp_rank, etp_rank)
 
 
+def test_an_expert_parameter_needs_the_expert_group():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.allreduce = False
+    with pytest.raises(ValueError, match="expert tensor-parallel rank"):
+        exclusion_reason(**param_flags(p, FakeGroup(0, 2), None))
+    dense = torch.nn.Parameter(torch.zeros(4))
+    assert exclusion_reason(**param_flags(dense, FakeGroup(0, 2), None)) is None
+
+
 def test_without_groups_or_parallel_state_a_multi_rank_job_is_refused(monkeypatch):
     import torch.distributed as dist
 
