@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from megatron.core.parallel_state import RankGenerator
 
-from megatron_ext.inventory import gpt_inventory
-from megatron_ext.ownership import (
+from megatron_ext.spans import exclusion_reason
+from tests.support.gpt_inventory import gpt_inventory
+from tests.support.topology import (
     LogicalParam,
     Topology,
     audit,
@@ -19,7 +20,6 @@ from megatron_ext.ownership import (
     rule_dense_tp_for_experts,
     rule_experts_lost_tp_flag,
 )
-from megatron_ext.spans import exclusion_reason
 
 # About 7 s of tests on a 2-core CPU (worlds up to 64 ranks); importing Megatron adds ~10 s.
 PROPERTY = settings(max_examples=100, deadline=None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .ownership import LogicalParam
+from tests.support.topology import LogicalParam
 
 
 def gpt_inventory(
