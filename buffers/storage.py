@@ -212,14 +212,15 @@ class FlatGradBuffers:
         self._escaped.clear()
 
     def grad_norm(self, norm_type: float = 2.0, group=None) -> torch.Tensor:
-        """Norm of the counted gradients, accumulated in fp32; no host sync.
+        """Norm of the counted gradients, accumulated in fp32 (fp64 buffers in fp64); no sync.
 
         Args:
             norm_type: p > 0, or ``inf``.
             group: a process group to reduce over (one all-reduce), or None for local.
 
         Returns:
-            0-dim fp32 tensor on the buffers' device.
+            0-dim tensor on the buffers' device: fp32, or fp64 when a counted buffer is
+            fp64 (with a group: when one on this rank is).
         """
         self._raise_if_escaped()
         p = ops.check_norm_type(norm_type)
@@ -240,14 +241,17 @@ class FlatGradBuffers:
         """Scale all gradients by ``max_norm / (norm + 1e-6)`` when that is below 1.
 
         Args:
-            max_norm: the norm to clip to.
+            max_norm: the norm to clip to, >= 0 (``inf`` never clips); a tensor is read to
+                the host once (``float()``). Negative or NaN: ``ValueError``.
             norm_type: p > 0, or ``inf``.
             group: a process group to reduce over, or None.
             error_if_nonfinite: raise if the norm is NaN or inf (this one check syncs).
 
         Returns:
-            The pre-clip norm, a 0-dim fp32 device tensor.
+            The pre-clip norm, a 0-dim device tensor: fp32, or fp64 when a counted buffer
+            is fp64.
         """
+        max_norm = ops.check_max_norm(max_norm)
         if not error_if_nonfinite:
             self._raise_if_escaped()
             p = ops.check_norm_type(norm_type)
@@ -285,7 +289,9 @@ class FlatGradBuffers:
         it is off by default. Otherwise, and for any other optimizer: ``clip_grad_norm_``
         and then ``step()``. Either way every parameter the optimizer holds must have its
         gradient in these buffers, or the norm would not count it (``ValueError``).
+        ``max_norm`` is checked as in :meth:`clip_grad_norm_`, before anything runs.
         """
+        max_norm = ops.check_max_norm(max_norm)
         self._check_optimizer_params(optimizer)
         if not (fold and self._can_fold(optimizer)):
             total = self.clip_grad_norm_(max_norm, norm_type, group)
