@@ -6,39 +6,86 @@ import sys
 
 import torch
 
-import buffers
-from buffers import ops
+from buffers import lists, ops
 
 _NAMES = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32")
-_patched: list[tuple[object, str, object]] = []  # (module, name, original)
+_originals: dict[str, object] = {}  # name -> megatron-core's function, while installed
+_replaced: list[str] = []  # what install() replaced, while installed
 
 
 def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
-    """Dtype-safe ``get_grad_norm_fp32``: same arguments and collective, fp32 accumulation.
+    """Dtype-safe ``get_grad_norm_fp32``: same arguments and collectives, fp32 accumulation.
 
     Groups the list by (device, dtype) before any fused launch, so a mix of bf16 and fp32
-    gradients gives the right norm. Returns a 0-dim fp32 tensor (no host sync).
+    gradients gives the right norm. DTensor gradients (Megatron-FSDP, torch FSDP2) are read
+    through their local shards and the statistic is first all-reduced over the DTensors'
+    data-parallel group, then over ``grad_stats_parallel_group``, as stock does
+    (``megatron/core/optimizer/clip_grads.py``). A list that mixes DTensors and plain
+    tensors raises ``ValueError`` (stock takes the group of the list's last element, so
+    its result depends on the order). Returns a 0-dim tensor (no host sync).
     """
+    from megatron.core.utils import to_local_if_dtensor
+
     grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else list(grads_for_norm)
+    data_parallel_group = _dtensor_group(grads)
+    grads = [to_local_if_dtensor(grad) for grad in grads]
+    p = ops.check_norm_type(norm_type)
     device = grads[0].device if grads else torch.device("cuda", torch.cuda.current_device())
-    # megatron-core always all-reduces (a None group is the whole world); total_norm reads
-    # None as "local only", so name the world group explicitly.
+    stat = ops.local_power_stat(lists.group_by_device_dtype(grads), p, device)
+    if data_parallel_group is not None:
+        stat = ops.all_reduce_stat(stat, p, data_parallel_group)
+    # megatron-core always all-reduces here (a None group is the whole world).
     group = grad_stats_parallel_group
     if group is None:
         group = torch.distributed.group.WORLD
-    return buffers.total_norm(grads, norm_type, group=group, device=device)
+    return ops.finish_norm(ops.all_reduce_stat(stat, p, group), p)
+
+
+def _dtensor_group(grads: list):
+    """The data-parallel group of DTensor gradients; None for plain tensors (or no grads)."""
+    from megatron.core.utils import get_data_parallel_group_if_dtensor
+
+    groups = [get_data_parallel_group_if_dtensor(g) for g in grads]
+    kinds = {g is not None for g in groups}
+    if len(kinds) > 1:
+        plain = groups.index(None)
+        raise ValueError(
+            f"grads_for_norm mixes DTensor gradients with plain tensors (element {plain} is "
+            "plain): megatron-core would all-reduce the whole norm over the DTensors' "
+            "data-parallel group or not at all, depending on the last element. Pass only "
+            "DTensors (Megatron-FSDP) or only local tensors."
+        )
+    group = groups[0] if groups else None
+    if any(g != group for g in groups):
+        raise ValueError(
+            "grads_for_norm holds DTensors over different data-parallel groups; megatron-core "
+            "reduces a norm over one: pass each group's gradients separately"
+        )
+    return group
 
 
 def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-    """Dtype-safe ``clip_grad_by_total_norm_fp32``: any grad dtype, coefficient on device."""
+    """Dtype-safe ``clip_grad_by_total_norm_fp32``: any grad dtype, coefficient on device.
+
+    DTensor gradients are scaled through their local shards, as stock does. A negative or
+    NaN ``max_norm`` raises ``ValueError`` (stock would flip or poison every gradient).
+    """
+    from megatron.core.utils import to_local_if_dtensor
+
+    max_norm = ops.check_max_norm(max_norm)
     params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
-    grads = [g.detach() for g in (getattr(p, attr, None) for p in params) if g is not None]
+    grads = [
+        to_local_if_dtensor(g).detach()
+        for g in (getattr(p, attr, None) for p in params)
+        if g is not None
+    ]
     if not grads:
         return
     if not isinstance(total_norm, torch.Tensor):
         total_norm = torch.tensor(float(total_norm), dtype=torch.float32)
-    buffers.scale_(grads, ops.clip_coefficient(total_norm.to(grads[0].device).float(), max_norm))
+    coeff = ops.clip_coefficient(total_norm.to(grads[0].device), max_norm)
+    lists.scale_(grads, coeff)
 
 
 _REPLACEMENTS = {
@@ -47,15 +94,36 @@ _REPLACEMENTS = {
 }
 
 
+def _rebind(old_to_new: dict[int, tuple[object, object]]) -> list[str]:
+    """Point every module-level name bound to an old function at its new one.
+
+    This module is skipped: its own definitions are the replacements.
+    """
+    rebound = []
+    for module in list(sys.modules.values()):
+        if module is sys.modules[__name__]:
+            continue
+        try:
+            namespace = vars(module)
+        except TypeError:  # a module stand-in without a __dict__
+            continue
+        for name, value in list(namespace.items()):
+            swap = old_to_new.get(id(value))
+            if swap is not None and value is swap[0]:
+                setattr(module, name, swap[1])
+                rebound.append(f"{module.__name__}.{name}")
+    return rebound
+
+
 def install() -> list[str]:
     """Replace megatron-core's ``get_grad_norm_fp32`` and ``clip_grad_by_total_norm_fp32``.
 
-    Replaces the two functions in ``megatron.core.optimizer.clip_grads`` and in every
-    module already imported that holds them under those names (in megatron-core 0.19:
+    Replaces the two functions in ``megatron.core.optimizer.clip_grads`` and wherever an
+    imported module holds them at module level, under any name (in megatron-core 0.19:
     ``megatron.core.optimizer.optimizer``, ``megatron.core.optimizer.layer_wise_optimizer``
     and ``megatron.core.models.mimo.optimizer``, when imported), with the dtype-safe versions
-    in this module, built on :func:`buffers.total_norm`'s grouping and :func:`buffers.scale_`.
-    Modules imported later that import them from ``clip_grads`` get the new ones too.
+    in this module, built on :mod:`buffers.lists`' grouping by (device, dtype). Modules
+    imported later that import them from ``clip_grads`` get the new ones too.
     ``count_zeros_fp32`` is left alone (it is per-tensor and dtype-safe). Idempotent.
 
     Returns:
@@ -63,19 +131,25 @@ def install() -> list[str]:
     """
     import megatron.core.optimizer.clip_grads as clip_grads
 
-    if _patched:
-        return [f"{m.__name__}.{n}" for m, n, _ in _patched]
-    originals = {n: getattr(clip_grads, n) for n in _NAMES}
-    for module in list(sys.modules.values()):
-        for name, original in originals.items():
-            if getattr(module, name, None) is original:
-                _patched.append((module, name, original))
-                setattr(module, name, _REPLACEMENTS[name])
-    return [f"{m.__name__}.{n}" for m, n, _ in _patched]
+    if not _originals:
+        originals = {n: getattr(clip_grads, n) for n in _NAMES}
+        _originals.update(originals)
+        _replaced.extend(_rebind({id(f): (f, _REPLACEMENTS[n]) for n, f in originals.items()}))
+    return list(_replaced)
 
 
-def uninstall() -> None:
-    """Restore every function :func:`install` replaced."""
-    while _patched:
-        module, name, original = _patched.pop()
-        setattr(module, name, original)
+def uninstall() -> list[str]:
+    """Restore megatron-core's functions wherever :func:`install`'s replacements are bound.
+
+    That includes modules imported after :func:`install` that took the replacements from
+    ``clip_grads`` (``from ... import get_grad_norm_fp32``). Idempotent.
+
+    Returns:
+        The ``module.name`` entries restored.
+    """
+    if not _originals:
+        return []
+    restored = _rebind({id(_REPLACEMENTS[n]): (_REPLACEMENTS[n], f) for n, f in _originals.items()})
+    _originals.clear()
+    _replaced.clear()
+    return restored

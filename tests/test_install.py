@@ -1,0 +1,127 @@
+"""megatron_ext.install()/uninstall(): what they replace, restore and reduce, on the CPU."""
+
+import importlib
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import megatron_ext
+
+install_module = importlib.import_module("megatron_ext.install")
+
+
+@pytest.fixture
+def restored():
+    """Uninstall even when a test fails halfway."""
+    yield
+    megatron_ext.uninstall()
+
+
+def test_modules_imported_after_install_are_restored_too(tmp_path, monkeypatch, restored):
+    import megatron.core.optimizer.clip_grads as cg
+
+    originals = (cg.get_grad_norm_fp32, cg.clip_grad_by_total_norm_fp32)
+    (tmp_path / "late_user.py").write_text(
+        "from megatron.core.optimizer.clip_grads import get_grad_norm_fp32\n"
+        "from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32 as clip\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "late_user", raising=False)
+    megatron_ext.install()
+    import late_user
+
+    assert late_user.get_grad_norm_fp32 is install_module.get_grad_norm_fp32
+    assert late_user.clip is install_module.clip_grad_by_total_norm_fp32
+    restored_names = megatron_ext.uninstall()
+    assert {"late_user.get_grad_norm_fp32", "late_user.clip"} <= set(restored_names)
+    assert (late_user.get_grad_norm_fp32, late_user.clip) == originals
+    assert (cg.get_grad_norm_fp32, cg.clip_grad_by_total_norm_fp32) == originals
+    assert megatron_ext.uninstall() == []  # idempotent
+
+
+def test_aliases_held_before_install_are_replaced_and_restored(tmp_path, monkeypatch, restored):
+    import megatron.core.optimizer.clip_grads as cg
+
+    (tmp_path / "early_user.py").write_text(
+        "from megatron.core.optimizer.clip_grads import get_grad_norm_fp32 as norm_fn\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "early_user", raising=False)
+    import early_user
+
+    assert "early_user.norm_fn" in megatron_ext.install()
+    assert early_user.norm_fn is install_module.get_grad_norm_fp32
+    megatron_ext.uninstall()
+    assert early_user.norm_fn is cg.get_grad_norm_fp32
+
+
+def dtensor_worker(rank: int, init_file: str, out_dir: str) -> None:
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    mesh = DeviceMesh("cpu", [0, 1])  # the data-parallel group of the DTensor gradients
+    singletons = [dist.new_group([r]) for r in range(2)]  # every rank creates every group
+    grads = [distribute_tensor(full, mesh, [Shard(0)]) for full in full_gradients()]
+    out = {}
+    for p in (2.0, math.inf):
+        out[p] = install_module.get_grad_norm_fp32(
+            grads, p, grad_stats_parallel_group=singletons[rank]
+        )
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def full_gradients() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randn(64, 3, generator=gen).bfloat16(), torch.randn(10, generator=gen)]
+
+
+def test_dtensor_gradients_are_reduced_over_their_data_parallel_group(tmp_path):
+    """As stock: local shards, one all-reduce over the DTensors' group, then grad stats'."""
+    mp.spawn(dtensor_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    everything = torch.cat([g.double().reshape(-1) for g in full_gradients()])
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        for p in (2.0, math.inf):
+            want = torch.linalg.vector_norm(everything, p).item()
+            assert got[p].item() == pytest.approx(want, rel=1e-6), (rank, p)
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    from torch.distributed.tensor import DeviceMesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s", rank=0, world_size=1)
+    yield DeviceMesh("cpu", [0])
+    dist.destroy_process_group()
+
+
+def test_a_list_mixing_dtensors_and_plain_tensors_is_refused(one_rank_mesh):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dt = distribute_tensor(torch.ones(4), one_rank_mesh, [Replicate()])
+    with pytest.raises(ValueError, match=r"mixes DTensor .* \(element 1 is plain\)"):
+        install_module.get_grad_norm_fp32([dt, torch.ones(4)])
+
+
+def test_clip_scales_dtensor_local_shards(one_rank_mesh):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    grad = torch.randn(8, generator=torch.Generator().manual_seed(2))
+    param = torch.nn.Parameter(distribute_tensor(torch.zeros(8), one_rank_mesh, [Replicate()]))
+    param.grad = distribute_tensor(grad.clone(), one_rank_mesh, [Replicate()])
+    install_module.clip_grad_by_total_norm_fp32([param], 1.0, torch.tensor(4.0))
+    want = grad.double() * (1.0 / (4.0 + 1e-6))
+    torch.testing.assert_close(param.grad.to_local().double(), want, rtol=1e-6, atol=0)
+
+
+def test_uninstall_leaves_this_packages_own_definitions(restored):
+    ours = (install_module.get_grad_norm_fp32, install_module.clip_grad_by_total_norm_fp32)
+    megatron_ext.install()
+    megatron_ext.uninstall()
+    assert (install_module.get_grad_norm_fp32, install_module.clip_grad_by_total_norm_fp32) == ours
