@@ -7,6 +7,10 @@ Adopt it by swapping three names::
     opt = megatron_ext.get_megatron_optimizer(optimizer_config, [model])
 """
 
+from . import seam
+
+seam.check()  # the installed megatron-core against every touch point, before any is used
+
 from .config import DistributedDataParallelConfig
 from .ddp import DistributedDataParallel, LayoutMismatchError
 from .fp32 import Float16Module, cast_marked_to_fp32, mark_keep_in_fp32

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.distributed import DistributedDataParallelConfig as _MCoreDDPConfig
+from . import seam
+
+_MCoreDDPConfig = seam.target("DistributedDataParallelConfig")
 
 
 @dataclass

@@ -6,13 +6,14 @@ import hashlib
 from dataclasses import replace
 
 import torch
-from megatron.core.distributed import DistributedDataParallel as _MCoreDDP
 
 from buffers.plan import Span
 
+from . import seam
 from .fp32 import cast_marked_to_fp32
 from .spans import GradRecord, exclusion_reason
 
+_MCoreDDP = seam.target("DistributedDataParallel")
 ALIGN = 64  # elements; Megatron aligns every parameter's start to 64 elements too
 
 
@@ -44,8 +45,10 @@ class DistributedDataParallel(_MCoreDDP):
         self.fp32_accumulation_islands: dict[int, torch.Tensor] = {}
         if not enabled:
             return
+        seam.check_instance("DistributedDataParallel", self)
         names = {p: n for n, p in self.module.named_parameters()}
         for buf in self.all_grad_buffers():
+            seam.check_instance("buffer layout", buf)
             self.grad_records[id(buf)] = _records(buf, names)
             self._carve_fp32_island(buf)
         self._check_layouts_agree()
@@ -58,6 +61,7 @@ class DistributedDataParallel(_MCoreDDP):
         params = [p for b in buf.buckets for p in b.params_with_extra_main_grads]
         if not params:
             return
+        seam.check_instance("fp32 accumulation island", buf)
         offsets, total = [], 0
         for p in params:
             offsets.append(total)
@@ -145,8 +149,7 @@ def param_flags(p: torch.Tensor, tp_group=None, expert_tp_group=None) -> dict:
 
 
 def _global_tp_ranks() -> tuple[int, int]:
-    from megatron.core import parallel_state as ps
-
+    ps = seam.target("parallel state")
     if ps.model_parallel_is_initialized():
         return ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
     dist = torch.distributed
@@ -163,11 +166,8 @@ def _global_tp_ranks() -> tuple[int, int]:
 
 def _is_gtp_duplicate(p: torch.Tensor) -> bool:
     """megatron-core's GTP-remat duplicate rule, where the installed version has one."""
-    try:
-        from megatron.core.tensor_parallel.layers import param_is_not_gtp_duplicate
-    except ImportError:  # megatron-core before 0.19 has no GTP remat
-        return False
-    return not param_is_not_gtp_duplicate(p)
+    rule = seam.optional("GTP duplicate rule")
+    return rule is not None and not rule(p)
 
 
 def buffer_buckets(buf) -> tuple[Span, ...]:

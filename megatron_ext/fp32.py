@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import torch
-from megatron.core.transformer.module import Float16Module as _MCoreFloat16Module
+
+from . import seam
+
+_MCoreFloat16Module = seam.target("Float16Module")
 
 KEEP_IN_FP32 = "keep_in_fp32"
 

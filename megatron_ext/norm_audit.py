@@ -33,6 +33,7 @@ import torch
 
 from buffers.plan import Span
 
+from . import seam
 from .spans import SHARED, GradRecord
 from .targets import BufferTarget
 
@@ -340,8 +341,7 @@ def audit_norm_ownership(model_chunks, optimizer, group=None) -> AuditResult:
 
 def parallel_ranks() -> ParallelRanks:
     """This rank's pipeline, tensor, expert-tensor and expert-parallel ranks (0 if unset)."""
-    from megatron.core import parallel_state as ps
-
+    ps = seam.target("parallel state")
     if not ps.model_parallel_is_initialized():
         return ParallelRanks()
     return ParallelRanks(

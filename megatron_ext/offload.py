@@ -34,12 +34,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from buffers.plan import Span, intersect_spans, merge_spans
 
+from . import seam
 from .spans import to_local
+
+HybridDeviceOptimizer = seam.target("HybridDeviceOptimizer")
+DistributedOptimizer = seam.target("DistributedOptimizer")
 
 # ---------------------------------------------------------------------------------------
 # Layout and schedule: pure data
@@ -642,6 +644,7 @@ def attach_host_mirrors(child) -> bool:
             "host mirrors must be attached before the first optimizer step (the optimizer "
             "already has state); build it with megatron_ext.get_megatron_optimizer"
         )
+    seam.check_instance("HybridDeviceOptimizer", hdo)
     hdo.__class__ = HostMirrorHybridOptimizer
     hdo._offload_sources = offload_sources(child)
     # Keep megatron-core's placement and CPU copies (no second copy of every parameter);

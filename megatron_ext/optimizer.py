@@ -6,21 +6,18 @@ import contextlib
 import math
 
 import torch
-from megatron.core import optimizer as _mcore_optimizer
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import (
-    SEPARATE_GRAD_NORM_GROUPS,
-    ChainedOptimizer,
-    Float16OptimizerWithFloat16Params,
-    FP32Optimizer,
-)
 
 from buffers import graphs, ops
 from buffers.graphs import NormClip
 
-from . import offload
+from . import offload, seam
 from .ddp import counted_records
 from .targets import FlatOptimizerState, buffer_target, mirror_view
+
+DistributedOptimizer = seam.target("DistributedOptimizer")
+Float16OptimizerWithFloat16Params = seam.target("Float16OptimizerWithFloat16Params")
+FP32Optimizer = seam.target("FP32Optimizer")
+ChainedOptimizer = seam.target("ChainedOptimizer")
 
 
 def get_megatron_optimizer(config, model_chunks, *args, host_mirrors: bool = True, **kwargs):
@@ -40,14 +37,14 @@ def get_megatron_optimizer(config, model_chunks, *args, host_mirrors: bool = Tru
     """
     flags = [bool(getattr(m, "per_dtype_grad_buffers", False)) for m in model_chunks]
     if not any(flags):
-        return _mcore_optimizer.get_megatron_optimizer(config, model_chunks, *args, **kwargs)
+        return seam.target("get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
     if not all(flags):
         raise ValueError(
             "some model chunks have per_dtype_grad_buffers=True and some do not; wrap every "
             "chunk in megatron_ext.DistributedDataParallel with the same ddp_config"
         )
     with _fp32_shards_as_leaves():
-        opt = _mcore_optimizer.get_megatron_optimizer(config, model_chunks, *args, **kwargs)
+        opt = seam.target("get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
     return enable_flat_norm(opt, model_chunks, host_mirrors=host_mirrors)
 
 
@@ -89,6 +86,8 @@ def enable_flat_norm(opt, model_chunks, *, host_mirrors: bool = True):
     ``host_mirrors``: CPU-offloaded distributed optimizers also get flat host mirrors
     (:func:`megatron_ext.offload.attach_host_mirrors`).
     """
+    if isinstance(opt, ChainedOptimizer):
+        seam.check_instance("ChainedOptimizer", opt)
     children = opt.chained_optimizers if isinstance(opt, ChainedOptimizer) else [opt]
     buffers = [b for m in model_chunks for b in m.all_grad_buffers()]
     records = {}
@@ -131,12 +130,24 @@ def _check_supported(child) -> None:
             "DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer (and "
             "ChainedOptimizer / HybridDeviceOptimizer around them)"
         )
+    seam.check_instance(_entry_of(child), child)
+
+
+def _entry_of(child) -> str:
+    for cls in (DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer):
+        if isinstance(child, cls):
+            return cls.__name__
+    raise AssertionError(type(child))
 
 
 def _check_no_separate_norm_groups(opt) -> None:
     # has_grad_norm_group() is megatron-core's globally consistent (all-reduced, cached)
-    # flag, so every rank raises together or none does.
-    for tag in SEPARATE_GRAD_NORM_GROUPS:
+    # flag, so every rank raises together or none does. Versions before 0.19 have no
+    # separate grad-norm groups.
+    tags = seam.optional("separate grad-norm groups")
+    if tags is None or seam.optional("has_grad_norm_group") is None:
+        return
+    for tag in tags:
         if opt.has_grad_norm_group(tag):
             raise NotImplementedError(
                 f"parameters are tagged grad_norm_group={tag!r} (clipped by their own norm); "
@@ -362,13 +373,10 @@ class FlatNormOptimizer:
 
 def _float16_sharded_state_dict(opt, model_sharded_state_dict, is_loading=False, metadata=None):
     """``Float16OptimizerWithFloat16Params.sharded_state_dict`` with ids in optimizer order."""
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        make_sharded_optimizer_tensor,
-        optim_state_to_sharding_state,
-    )
-    from megatron.core.optimizer.optimizer import _backfill_gtp_sharded_param_map
-
+    get_param_id_to_sharded_param_map = seam.target("param id map")
+    make_sharded_optimizer_tensor = seam.target("sharded optimizer tensor")
+    optim_state_to_sharding_state = seam.target("optimizer state sharding")
+    backfill_gtp = seam.optional("GTP backfill")
     if is_loading:
         opt.init_state_fn(opt.optimizer, opt.config)
     state_dict = opt.state_dict()
@@ -383,7 +391,8 @@ def _float16_sharded_state_dict(opt, model_sharded_state_dict, is_loading=False,
     ordered = [model_of.get(id(q), q) for q in inner]
     position = {id(q): i for i, q in enumerate(inner)}
     id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, ordered)
-    _backfill_gtp_sharded_param_map(id_map, [ordered], model_sharded_state_dict)
+    if backfill_gtp is not None:  # megatron-core 0.19+: GTP-remat entries
+        backfill_gtp(id_map, [ordered], model_sharded_state_dict)
     state_dict["fp32_from_fp16_params"] = [
         [
             make_sharded_optimizer_tensor(
