@@ -47,7 +47,7 @@ import torch
 
 from benchmarks import common, inventories, memory
 from benchmarks.inventories import Inventory
-from buffers.plan import Span, dp_shard_spans, intersect_spans, merge_spans
+from buffers.spans import Span, dp_shard_spans, intersect_spans, merge_spans
 from megatron_ext import offload
 
 NAME = "offload"

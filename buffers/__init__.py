@@ -1,17 +1,8 @@
 """Per-dtype contiguous gradient buffers with fused, dtype-safe norm and clip."""
 
 from .lists import scale_, total_norm
-from .plan import (
-    BufferPlan,
-    LayoutPlan,
-    ParamEntry,
-    ParamSlot,
-    Span,
-    dp_shard_spans,
-    intersect_spans,
-    merge_spans,
-    plan_layout,
-)
+from .plan import BufferPlan, LayoutPlan, ParamEntry, ParamSlot, plan_layout
+from .spans import Span, dp_shard_spans, intersect_spans, merge_spans, subtract_spans, to_local
 from .storage import FlatGradBuffers, GradientOutsideBufferError
 
 __all__ = [
@@ -27,5 +18,7 @@ __all__ = [
     "merge_spans",
     "plan_layout",
     "scale_",
+    "subtract_spans",
+    "to_local",
     "total_norm",
 ]

@@ -8,10 +8,12 @@ integration builds the same spans from Megatron's own buffer layout.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .spans import Span
 
 SUPPORTED_GRAD_DTYPES: tuple[torch.dtype, ...] = (
     torch.bfloat16,
@@ -19,22 +21,6 @@ SUPPORTED_GRAD_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
     torch.float64,
 )
-
-
-@dataclass(frozen=True, order=True)
-class Span:
-    """A half-open element range ``[start, end)`` of one flat buffer."""
-
-    start: int
-    end: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.start <= self.end:
-            raise ValueError(f"invalid span [{self.start}, {self.end})")
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -166,50 +152,3 @@ def plan_layout(entries: Sequence[ParamEntry], align: int = 64) -> LayoutPlan:
         norm_spans = (Span(0, counted_end),) if counted_end else ()
         buffers[dtype] = BufferPlan(dtype, numel, tuple(slots), norm_spans, (Span(0, used_end),))
     return LayoutPlan(align, buffers)
-
-
-def merge_spans(spans: Iterable[Span]) -> tuple[Span, ...]:
-    """Sorted, non-overlapping, non-empty spans covering the same elements."""
-    out: list[Span] = []
-    for s in sorted(s for s in spans if s.numel):
-        if out and s.start <= out[-1].end:
-            out[-1] = Span(out[-1].start, max(out[-1].end, s.end))
-        else:
-            out.append(s)
-    return tuple(out)
-
-
-def intersect_spans(a: Iterable[Span], b: Iterable[Span]) -> tuple[Span, ...]:
-    """Elements in both ``a`` and ``b``, as merged spans."""
-    a, b = merge_spans(a), merge_spans(b)
-    out: list[Span] = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i].start, b[j].start), min(a[i].end, b[j].end)
-        if lo < hi:
-            out.append(Span(lo, hi))
-        if a[i].end < b[j].end:
-            i += 1
-        else:
-            j += 1
-    return merge_spans(out)
-
-
-def dp_shard_spans(buckets: Sequence[Span], dp_size: int, dp_rank: int) -> tuple[Span, ...]:
-    """The part of each bucket that data-parallel rank ``dp_rank`` owns.
-
-    Megatron's distributed optimizer pads every bucket to a multiple of ``dp_size`` and
-    gives rank ``r`` the ``r``-th of ``dp_size`` equal, contiguous shards of it.
-    """
-    if dp_size < 1 or not 0 <= dp_rank < dp_size:
-        raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-    out = []
-    for b in buckets:
-        if b.numel % dp_size:
-            raise ValueError(
-                f"bucket [{b.start}, {b.end}) has {b.numel} elements, not a multiple of "
-                f"dp_size={dp_size}; Megatron pads buckets so that it is"
-            )
-        shard = b.numel // dp_size
-        out.append(Span(b.start + dp_rank * shard, b.start + (dp_rank + 1) * shard))
-    return tuple(out)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from buffers.plan import Span
+from buffers.spans import Span
 
 from . import seam
 from .fp32 import cast_marked_to_fp32

@@ -31,7 +31,7 @@ from itertools import pairwise
 
 import torch
 
-from buffers.plan import Span
+from buffers.spans import Span
 
 from . import seam
 from .spans import SHARED, GradRecord

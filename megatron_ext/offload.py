@@ -35,33 +35,15 @@ from dataclasses import dataclass
 
 import torch
 
-from buffers.plan import Span, intersect_spans, merge_spans
+from buffers.spans import Span, intersect_spans, merge_spans, subtract_spans, to_local
 
 from . import seam
-from .spans import to_local
 
 HybridDeviceOptimizer = seam.target("HybridDeviceOptimizer")
 DistributedOptimizer = seam.target("DistributedOptimizer")
 
 # ---------------------------------------------------------------------------------------
 # Layout and schedule: pure data
-
-
-def subtract_spans(a: Iterable[Span], b: Iterable[Span]) -> tuple[Span, ...]:
-    """Elements of ``a`` that are not in ``b``, as merged spans."""
-    cuts = merge_spans(b)
-    out: list[Span] = []
-    for s in merge_spans(a):
-        start = s.start
-        for c in cuts:
-            if c.end <= start or c.start >= s.end:
-                continue
-            if c.start > start:
-                out.append(Span(start, c.start))
-            start = max(start, c.end)
-        if start < s.end:
-            out.append(Span(start, s.end))
-    return merge_spans(out)
 
 
 def offload_blocks(

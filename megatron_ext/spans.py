@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from buffers.plan import Span, dp_shard_spans, intersect_spans, merge_spans
+from buffers.spans import Span, dp_shard_spans, intersect_spans, merge_spans
 
 SHARED = "shared"
 TP_DUPLICATE = "tensor-parallel duplicate"
@@ -128,18 +128,3 @@ def rank_spans(
     return RankSpans(
         owned=merge_spans(owned), norm=norm, padding_in_norm=sum(s.numel for s in norm) - covered
     )
-
-
-def to_local(spans: Sequence[Span], owned: Sequence[Span]) -> tuple[Span, ...]:
-    """Translate buffer coordinates into the coordinates of the owned ranges laid end to end.
-
-    A rank's shard of a sharded buffer (one range per bucket) is copied into one contiguous
-    local tensor; this maps spans inside the shard onto that tensor.
-    """
-    out = []
-    base = 0
-    for o in owned:
-        for s in intersect_spans(spans, [o]):
-            out.append(Span(base + s.start - o.start, base + s.end - o.start))
-        base += o.numel
-    return merge_spans(out)

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from buffers.plan import Span
+from buffers.spans import Span, to_local
 
 from .ddp import buffer_buckets
-from .spans import GradRecord, RankSpans, rank_spans, to_local
+from .spans import GradRecord, RankSpans, rank_spans
 
 
 @dataclass

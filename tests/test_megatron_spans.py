@@ -2,13 +2,12 @@
 
 import pytest
 
-from buffers.plan import Span
+from buffers.spans import Span
 from megatron_ext.spans import (
     GradRecord,
     counted_runs,
     exclusion_reason,
     rank_spans,
-    to_local,
 )
 
 
@@ -71,9 +70,3 @@ def test_unsharded_owns_everything():
     assert rs.owned == (Span(0, 128),)
     assert rs.norm == (Span(0, 5),)
     assert rs.padding_in_norm == 0
-
-
-def test_to_local_concatenates_owned_ranges():
-    owned = (Span(10, 20), Span(100, 110))
-    assert to_local([Span(12, 18), Span(100, 104)], owned) == (Span(2, 8), Span(10, 14))
-    assert to_local(owned, owned) == (Span(0, 20),)

@@ -4,7 +4,7 @@ import types
 
 import torch
 
-from buffers.plan import Span
+from buffers.spans import Span
 from megatron_ext.spans import GradRecord
 from megatron_ext.targets import buffer_target, mirror_view
 

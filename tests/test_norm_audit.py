@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from buffers.plan import Span
+from buffers.spans import Span
 from megatron_ext.norm_audit import (
     AuditResult,
     Claim,

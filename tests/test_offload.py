@@ -21,7 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-from buffers.plan import Span, dp_shard_spans, intersect_spans, merge_spans
+from buffers.spans import (
+    Span,
+    dp_shard_spans,
+    intersect_spans,
+    merge_spans,
+    subtract_spans,
+    to_local,
+)
 from megatron_ext import offload
 from megatron_ext.offload import (
     HostMirrorHybridOptimizer,
@@ -31,9 +38,7 @@ from megatron_ext.offload import (
     copy_schedule,
     mirror_layout,
     offload_blocks,
-    subtract_spans,
 )
-from megatron_ext.spans import to_local
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,13 +48,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def S(a, b):
     return Span(a, b)
-
-
-def test_subtract_spans():
-    assert subtract_spans([S(0, 100)], [S(10, 20), S(50, 60)]) == (S(0, 10), S(20, 50), S(60, 100))
-    assert subtract_spans([S(0, 10), S(20, 30)], [S(5, 25)]) == (S(0, 5), S(25, 30))
-    assert subtract_spans([S(0, 10)], []) == (S(0, 10),)
-    assert subtract_spans([S(0, 10)], [S(0, 10)]) == ()
 
 
 def test_all_offloaded_gives_one_block_per_owned_range():

@@ -1,14 +1,8 @@
 import pytest
 import torch
 
-from buffers.plan import (
-    ParamEntry,
-    Span,
-    dp_shard_spans,
-    intersect_spans,
-    merge_spans,
-    plan_layout,
-)
+from buffers.plan import ParamEntry, plan_layout
+from buffers.spans import Span
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -72,33 +66,3 @@ def test_unsupported_dtype_names_the_parameter(dtype):
 def test_bad_alignment(align):
     with pytest.raises(ValueError, match="align"):
         plan_layout([ParamEntry("a", (2,), FP32)], align=align)
-
-
-def test_span_algebra():
-    assert merge_spans([Span(5, 9), Span(0, 3), Span(3, 4), Span(7, 12), Span(2, 2)]) == (
-        Span(0, 4),
-        Span(5, 12),
-    )
-    assert intersect_spans([Span(0, 10), Span(20, 30)], [Span(5, 25)]) == (
-        Span(5, 10),
-        Span(20, 25),
-    )
-    assert intersect_spans([Span(0, 4)], [Span(4, 8)]) == ()
-    with pytest.raises(ValueError):
-        Span(3, 2)
-
-
-@pytest.mark.parametrize("dp", [1, 2, 3, 4, 8])
-def test_dp_shards_partition_each_bucket(dp):
-    buckets = [Span(0, 24 * dp), Span(24 * dp, 40 * dp)]
-    shards = [dp_shard_spans(buckets, dp, r) for r in range(dp)]
-    covered = sorted(s for rank in shards for s in rank)
-    assert merge_spans(covered) == (Span(0, 40 * dp),)
-    assert sum(s.numel for s in covered) == 40 * dp  # no overlap
-
-
-def test_dp_shard_errors():
-    with pytest.raises(ValueError, match="multiple of dp_size=4"):
-        dp_shard_spans([Span(0, 10)], 4, 0)
-    with pytest.raises(ValueError, match="dp_rank"):
-        dp_shard_spans([Span(0, 8)], 2, 2)

@@ -32,7 +32,7 @@ from megatron.core.distributed.param_and_grad_buffer import (
 )
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from buffers.plan import Span
+from buffers.spans import Span
 from megatron_ext.spans import GradRecord, exclusion_reason, rank_spans
 
 Rule = Callable[..., str | None]
