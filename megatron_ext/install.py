@@ -8,6 +8,8 @@ import torch
 
 from buffers import lists, ops
 
+from . import seam
+
 _NAMES = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32")
 _originals: dict[str, object] = {}  # name -> megatron-core's function, while installed
 _replaced: list[str] = []  # what install() replaced, while installed
@@ -24,7 +26,7 @@ def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=No
     tensors raises ``ValueError`` (stock takes the group of the list's last element, so
     its result depends on the order). Returns a 0-dim tensor (no host sync).
     """
-    from megatron.core.utils import to_local_if_dtensor
+    to_local_if_dtensor = seam.target("dtensor helpers")
 
     grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else list(grads_for_norm)
     data_parallel_group = _dtensor_group(grads)
@@ -43,7 +45,7 @@ def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=No
 
 def _dtensor_group(grads: list):
     """The data-parallel group of DTensor gradients; None for plain tensors (or no grads)."""
-    from megatron.core.utils import get_data_parallel_group_if_dtensor
+    get_data_parallel_group_if_dtensor = seam.target("dtensor group")
 
     groups = [get_data_parallel_group_if_dtensor(g) for g in grads]
     kinds = {g is not None for g in groups}
@@ -70,7 +72,7 @@ def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled
     DTensor gradients are scaled through their local shards, as stock does. A negative or
     NaN ``max_norm`` raises ``ValueError`` (stock would flip or poison every gradient).
     """
-    from megatron.core.utils import to_local_if_dtensor
+    to_local_if_dtensor = seam.target("dtensor helpers")
 
     max_norm = ops.check_max_norm(max_norm)
     params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
@@ -129,10 +131,8 @@ def install() -> list[str]:
     Returns:
         The ``module.name`` entries replaced.
     """
-    import megatron.core.optimizer.clip_grads as clip_grads
-
     if not _originals:
-        originals = {n: getattr(clip_grads, n) for n in _NAMES}
+        originals = {n: seam.target(n) for n in _NAMES}
         _originals.update(originals)
         _replaced.extend(_rebind({id(f): (f, _REPLACEMENTS[n]) for n, f in originals.items()}))
     return list(_replaced)
