@@ -51,7 +51,7 @@ class MixedLinearStack(torch.nn.Module):
 
 def _grad_buffer_bytes(model) -> int:
     buffers = [*model.buffers, *model.expert_parallel_buffers]
-    islands = getattr(model, "fp32_accumulation_islands", {}).values()
+    islands = getattr(model, "fp32_islands", list)()
     return sum(t.numel() * t.element_size() for t in [*(b.grad_data for b in buffers), *islands])
 
 

@@ -7,10 +7,9 @@ from dataclasses import replace
 
 import torch
 
-from buffers.spans import Span
-
 from . import seam
 from .fp32 import cast_marked_to_fp32
+from .layout import BufferKey, BufferLayout, ChunkLayout, buffer_layout
 from .spans import GradRecord, exclusion_reason
 
 _MCoreDDP = seam.target("DistributedDataParallel")
@@ -31,8 +30,9 @@ class DistributedDataParallel(_MCoreDDP):
       built, so they land in an fp32 island buffer even with ``grad_reduce_in_fp32=False``;
     - parameters matching ``param_name_patterns_for_fp32_local_accumulation`` get their
       fp32 accumulation gradients as views of one contiguous fp32 island per buffer;
-    - every buffer's layout (:attr:`grad_records`) is recorded once, and all ranks of each
-      data-parallel group check with one small collective that they computed the same one.
+    - every buffer's layout is recorded once in :attr:`layout` (a frozen
+      :class:`~megatron_ext.layout.ChunkLayout`), and all ranks of each data-parallel group
+      check with one small collective that they computed the same one.
     """
 
     def __init__(self, config, ddp_config, module: torch.nn.Module, *args, **kwargs) -> None:
@@ -41,26 +41,41 @@ class DistributedDataParallel(_MCoreDDP):
             cast_marked_to_fp32(module)
         super().__init__(config, ddp_config, module, *args, **kwargs)
         self.per_dtype_grad_buffers = enabled
-        self.grad_records: dict[int, tuple[GradRecord, ...]] = {}
-        self.fp32_accumulation_islands: dict[int, torch.Tensor] = {}
+        self.layout: ChunkLayout | None = None
+        self._by_key: dict[BufferKey, tuple[object, torch.Tensor | None]] = {}
         if not enabled:
             return
         seam.check_instance("DistributedDataParallel", self)
         names = {p: n for n, p in self.module.named_parameters()}
+        layouts = []
         for buf in self.all_grad_buffers():
             seam.check_instance("buffer layout", buf)
-            self.grad_records[id(buf)] = _records(buf, names)
-            self._carve_fp32_island(buf)
+            island = self._carve_fp32_island(buf)
+            layouts.append(buffer_layout(buf, names, 0 if island is None else island.numel()))
+            self._by_key[layouts[-1].key] = (buf, island)
+        self.layout = ChunkLayout(tuple(layouts))
         self._check_layouts_agree()
+
+    def grad_buffer(self, key: BufferKey):
+        """megatron-core's gradient buffer of ``key``."""
+        return self._by_key[key][0]
+
+    def fp32_island(self, key: BufferKey) -> torch.Tensor | None:
+        """The fp32 local-accumulation island of buffer ``key``, or None."""
+        return self._by_key[key][1]
+
+    def fp32_islands(self) -> list[torch.Tensor]:
+        """Every fp32 local-accumulation island (none with the option off)."""
+        return [island for _, island in self._by_key.values() if island is not None]
 
     def all_grad_buffers(self) -> list:
         """Dense buffers, then expert-parallel buffers."""
         return [*self.buffers, *self.expert_parallel_buffers]
 
-    def _carve_fp32_island(self, buf) -> None:
+    def _carve_fp32_island(self, buf) -> torch.Tensor | None:
         params = [p for b in buf.buckets for p in b.params_with_extra_main_grads]
         if not params:
-            return
+            return None
         seam.check_instance("fp32 accumulation island", buf)
         offsets, total = [], 0
         for p in params:
@@ -71,38 +86,25 @@ class DistributedDataParallel(_MCoreDDP):
             p.main_grad = island[off : off + p.main_grad.numel()].view(p.main_grad.shape)
         # reset() zeroes every entry: one island instead of one tensor per parameter.
         buf.extra_main_grads = [island]
-        self.fp32_accumulation_islands[id(buf)] = island
+        return island
 
     def _check_layouts_agree(self) -> None:
         if not torch.distributed.is_initialized():
             return
-        for buf in self.all_grad_buffers():
+        for layout in self.layout.buffers:
+            buf = self.grad_buffer(layout.key)
             group = buf.data_parallel_group
             if torch.distributed.get_world_size(group) == 1:
                 continue
-            records = self.grad_records[id(buf)]
-            digest = _layout_digest(buf, records)
+            digest = _layout_digest(layout)
             mine = torch.tensor([digest], dtype=torch.int64, device=buf.grad_data.device)
             gathered = [torch.empty_like(mine) for _ in range(group.size())]
             torch.distributed.all_gather(gathered, mine, group=group)
             if all(int(g) == digest for g in gathered):
                 continue
             everyone = [None] * group.size()
-            torch.distributed.all_gather_object(everyone, _layout_rows(buf, records), group=group)
+            torch.distributed.all_gather_object(everyone, layout.rows(), group=group)
             raise LayoutMismatchError(_first_difference(everyone, group.rank()))
-
-
-def _records(buf, names: dict) -> tuple[GradRecord, ...]:
-    """The buffer's layout: one record per parameter, sorted by start.
-
-    Whether each counts toward the norm depends on the optimizer's process groups, so it is
-    decided when the optimizer is built (:func:`counted_records`), not here.
-    """
-    out = [
-        GradRecord(name=names.get(p, "<unnamed>"), start=start, end=end, bucket=bucket)
-        for p, (start, end, bucket) in buf.param_index_map.items()
-    ]
-    return tuple(sorted(out, key=lambda r: r.start))
 
 
 def counted_records(buf, records, tp_group=None, expert_tp_group=None) -> tuple[GradRecord, ...]:
@@ -170,17 +172,8 @@ def _is_gtp_duplicate(p: torch.Tensor) -> bool:
     return rule is not None and not rule(p)
 
 
-def buffer_buckets(buf) -> tuple[Span, ...]:
-    return tuple(Span(s, e) for s, e in buf.bucket_indices)
-
-
-def _layout_rows(buf, records) -> list[tuple]:
-    head = (str(buf.param_dtype), str(buf.grad_dtype), buf.numel, tuple(buf.bucket_indices))
-    return [head] + [(r.name, r.start, r.end, r.bucket) for r in records]
-
-
-def _layout_digest(buf, records) -> int:
-    h = hashlib.blake2b(repr(_layout_rows(buf, records)).encode(), digest_size=8)
+def _layout_digest(layout: BufferLayout) -> int:
+    h = hashlib.blake2b(repr(layout.rows()).encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little", signed=True)
 
 

@@ -12,6 +12,7 @@ from buffers.graphs import NormClip
 
 from . import offload, seam
 from .ddp import counted_records
+from .layout import BufferLayout
 from .targets import FlatOptimizerState, buffer_target, mirror_view
 
 DistributedOptimizer = seam.target("DistributedOptimizer")
@@ -89,16 +90,11 @@ def enable_flat_norm(opt, model_chunks, *, host_mirrors: bool = True):
     if isinstance(opt, ChainedOptimizer):
         seam.check_instance("ChainedOptimizer", opt)
     children = opt.chained_optimizers if isinstance(opt, ChainedOptimizer) else [opt]
-    buffers = [b for m in model_chunks for b in m.all_grad_buffers()]
-    records = {}
-    islands = {}
-    for m in model_chunks:
-        records.update(m.grad_records)
-        islands.update(m.fp32_accumulation_islands)
+    placed = placed_buffers(model_chunks)
     _check_no_separate_norm_groups(opt)
     for child in children:
         _check_supported(child)
-        child._flat = _build_state(child, buffers, records, islands)
+        child._flat = _build_state(child, placed)
         child.__class__ = _flat_class(type(child))
         if host_mirrors:
             offload.attach_host_mirrors(child)
@@ -165,23 +161,33 @@ def _model_params(child) -> set[int]:
     return {id(p) for g in groups for p in g}
 
 
-def _build_state(child, buffers, records, islands) -> FlatOptimizerState:
+def placed_buffers(model_chunks) -> list[tuple[object, BufferLayout, torch.Tensor | None]]:
+    """(megatron-core buffer, its layout, its fp32 island) for every buffer of every chunk."""
+    return [
+        (m.grad_buffer(layout.key), layout, m.fp32_island(layout.key))
+        for m in model_chunks
+        for layout in m.layout.buffers
+    ]
+
+
+def _build_state(child, placed) -> FlatOptimizerState:
     if getattr(child, "is_stub_optimizer", False):
         return FlatOptimizerState([], None)
     distributed = isinstance(child, DistributedOptimizer)
     decoupled = bool(child.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
     mine = _model_params(child)
     if distributed:
-        candidates = child.buffers
+        # Its own buffers (megatron-core's per_model_buffers), in its order.
+        candidates = [next(p for p in placed if p[0] is b) for b in child.buffers]
     else:
-        candidates = [b for b in buffers if any(id(p) in mine for p in b.param_index_map)]
+        candidates = [p for p in placed if any(id(q) in mine for q in p[0].param_index_map)]
     # Loss-scaled optimizers unscale only what they read: the norm reads that too.
     scaled = getattr(child, "grad_scaler", None) is not None
     tp_group = getattr(child, "tp_group", None)
     expert_tp_group = getattr(child, "expert_tp_group", None)
     targets = []
-    by_buffer = {}
-    for buf in candidates:
+    by_buffer = []
+    for buf, layout, island in candidates:
         # The distributed optimizer holds only the parameters that overlap this rank's
         # shard of each bucket, and every buffer in child.buffers is its own.
         if not distributed and not all(id(p) in mine for p in buf.param_index_map):
@@ -196,14 +202,15 @@ def _build_state(child, buffers, records, islands) -> FlatOptimizerState:
         )
         t = buffer_target(
             buf,
-            counted_records(buf, records[id(buf)], tp_group, expert_tp_group),
+            layout,
+            counted_records(buf, layout.records, tp_group, expert_tp_group),
             sharded=distributed,
             needs_mirror=needs_mirror,
-            island=islands.get(id(buf)),
+            island=island,
             norm_reads_mirror=needs_mirror and scaled,
         )
         targets.append(t)
-        by_buffer[id(buf)] = (buf, t)
+        by_buffer.append((buf, t))
     bindings = _bindings(child, by_buffer) if any(t.mirror is not None for t in targets) else None
     state = FlatOptimizerState(targets, bindings)
     ops.prepare_groups(state.norm_groups + state.scale_groups)
@@ -214,7 +221,7 @@ def _bindings(child, by_buffer):
     """(main param, "grad", view) for every main parameter: what the copy step assigns."""
     out = []
     pmap = {}
-    for buf, t in by_buffer.values():
+    for buf, t in by_buffer:
         for p, (start, end, _) in buf.param_index_map.items():
             pmap[id(p)] = (start, end, t)
     if isinstance(child, DistributedOptimizer):

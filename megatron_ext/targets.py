@@ -13,7 +13,7 @@ import torch
 
 from buffers.spans import Span, to_local
 
-from .ddp import buffer_buckets
+from .layout import BufferLayout
 from .spans import GradRecord, RankSpans, rank_spans
 
 
@@ -53,19 +53,13 @@ class FlatOptimizerState:
         return sum(t.spans.padding_in_norm for t in self.targets)
 
 
-def describe(buf) -> str:
-    """A readable name for a megatron-core gradient buffer."""
-    first = next(iter(buf.param_index_map), None)
-    kind = "expert" if first is not None and not getattr(first, "allreduce", True) else "dense"
-    return f"{buf.grad_dtype} grads of {buf.param_dtype} params ({kind})"
-
-
 def _views(t: torch.Tensor, spans) -> list[torch.Tensor]:
     return [t[s.start : s.end] for s in spans]
 
 
 def buffer_target(
     buf,
+    layout: BufferLayout,
     records,
     *,
     sharded: bool,
@@ -77,7 +71,9 @@ def buffer_target(
 
     Args:
         buf: a megatron-core ``_ParamAndGradBuffer``.
-        records: its :class:`~megatron_ext.spans.GradRecord` tuple.
+        layout: its :class:`~megatron_ext.layout.BufferLayout`.
+        records: its records with this optimizer's exclusion verdicts
+            (:func:`megatron_ext.ddp.counted_records`).
         sharded: the distributed optimizer owns only this rank's shard of each bucket.
         needs_mirror: the optimizer reads fp32 copies of these (lower-precision) gradients;
             they get one flat fp32 mirror of the owned ranges, filled by one copy per range.
@@ -88,13 +84,12 @@ def buffer_target(
             mirror), so the buffer still holds the scaled gradients.
     """
     if sharded:
-        group = buf.data_parallel_group
-        spans = rank_spans(records, buf.numel, buffer_buckets(buf), group.size(), group.rank())
+        spans = rank_spans(records, layout.numel, layout.buckets, layout.dp_size, layout.dp_rank)
     else:
-        spans = rank_spans(records, buf.numel)
+        spans = rank_spans(records, layout.numel)
     grad = buf.grad_data
     target = BufferTarget(
-        describe(buf), tuple(records), spans, _views(grad, spans.norm), [], buffer=buf
+        layout.key.describe(), tuple(records), spans, _views(grad, spans.norm), [], buffer=buf
     )
     if norm_reads_mirror and not needs_mirror:
         raise ValueError("norm_reads_mirror needs a mirror (needs_mirror=True)")

@@ -7,7 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from buffers.spans import Span
 from megatron_ext.ddp import DistributedDataParallel, LayoutMismatchError, _first_difference
+from megatron_ext.layout import BufferKey, BufferLayout, ChunkLayout
 from megatron_ext.spans import GradRecord
 
 
@@ -20,9 +22,11 @@ def fake_ddp(records, group):
         data_parallel_group=group,
         grad_data=torch.zeros(256, dtype=torch.bfloat16),
     )
-    return types.SimpleNamespace(
-        all_grad_buffers=lambda: [buf], grad_records={id(buf): tuple(records)}
-    )
+    layout = BufferLayout(
+        BufferKey(torch.bfloat16, torch.bfloat16, False), 256, (Span(0, 256),), tuple(records),
+        group.size(), group.rank(),
+    )  # fmt: skip
+    return types.SimpleNamespace(layout=ChunkLayout((layout,)), grad_buffer=lambda key: buf)
 
 
 def worker(rank, world, init_file, out_dir):

@@ -14,7 +14,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from megatron_ext.ddp import _records, param_flags
+from megatron_ext.ddp import param_flags
+from megatron_ext.layout import buffer_layout
 from megatron_ext.optimizer import _build_state
 from megatron_ext.spans import exclusion_reason
 
@@ -109,8 +110,8 @@ def child_for_rank(dp, rank, *, scaled=False, seed=1):
         buf = bufs[child.model_param_gbuf_map[p][0]]
         s, e, _ = buf.param_index_map[p]
         p.main_grad = buf.grad_data[s:e]
-    records = {id(b): _records(b, names) for b in bufs}
-    return child, bufs, records, held
+    placed = [(b, buffer_layout(b, names), None) for b in bufs]
+    return child, bufs, placed, held
 
 
 def fp64_counted_sumsq(bufs):
@@ -126,9 +127,9 @@ def fp64_counted_sumsq(bufs):
 def test_every_rank_builds_and_the_shards_add_up_to_the_fp64_norm(dp):
     total, holds_fp32 = 0.0, []
     for rank in range(dp):
-        child, bufs, records, held = child_for_rank(dp, rank)
+        child, bufs, placed, held = child_for_rank(dp, rank)
         assert len(held) < 7  # megatron-core gave this rank only part of the model
-        state = _build_state(child, bufs, records, {})
+        state = _build_state(child, placed)
         for dst, src in (c for t in state.targets for c in t.copies):
             dst.copy_(src)
         total += sum(v.double().square().sum().item() for g in state.norm_groups for v in g)
@@ -151,8 +152,8 @@ def test_with_a_loss_scaler_the_norm_reads_the_unscaled_copies():
     dp, scale = 2, 1024.0
     total = 0.0
     for rank in range(dp):
-        child, bufs, records, _ = child_for_rank(dp, rank, scaled=True)
-        state = _build_state(child, bufs, records, {})
+        child, bufs, placed, _ = child_for_rank(dp, rank, scaled=True)
+        state = _build_state(child, placed)
         for dst, src in (c for t in state.targets for c in t.copies):
             dst.copy_(src)
         # megatron-core's unscale: in place, on what the optimizer reads (the bindings).

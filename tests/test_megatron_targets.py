@@ -1,10 +1,12 @@
 """Per-optimizer buffer targets (views, fp32 mirrors) from Megatron-style buffers, on the CPU."""
 
+import dataclasses
 import types
 
 import torch
 
 from buffers.spans import Span
+from megatron_ext.layout import buffer_layout
 from megatron_ext.spans import GradRecord
 from megatron_ext.targets import buffer_target, mirror_view
 
@@ -49,12 +51,16 @@ def fake_buffer(dp_rank, dp_size, dtype=torch.bfloat16):
     return buf, records
 
 
+def layout_for(buf, records):
+    return dataclasses.replace(buffer_layout(buf, {}), records=tuple(records))
+
+
 def test_sharded_norm_views_across_ranks_cover_counted_gradients_once():
     dp = 3
     total = 0.0
     for rank in range(dp):
         buf, records = fake_buffer(rank, dp)
-        t = buffer_target(buf, records, sharded=True, needs_mirror=False)
+        t = buffer_target(buf, layout_for(buf, records), records, sharded=True, needs_mirror=False)
         total += sum(v.double().square().sum().item() for v in t.norm_views)
         for v in t.norm_views:  # every view is a view of the grad buffer itself
             assert v.untyped_storage().data_ptr() == buf.grad_data.untyped_storage().data_ptr()
@@ -70,7 +76,7 @@ def test_sharded_norm_views_across_ranks_cover_counted_gradients_once():
 def test_mirror_holds_this_ranks_shard_in_fp32_and_views_find_params():
     dp, rank = 4, 1
     buf, records = fake_buffer(rank, dp)
-    t = buffer_target(buf, records, sharded=True, needs_mirror=True)
+    t = buffer_target(buf, layout_for(buf, records), records, sharded=True, needs_mirror=True)
     assert t.mirror.dtype == torch.float32 and t.mirror.numel() == t.spans.owned_numel
     assert t.scale_views == [t.mirror]  # the optimizer reads (and clip scales) the mirror
     for dst, src in t.copies:
@@ -86,7 +92,9 @@ def test_mirror_holds_this_ranks_shard_in_fp32_and_views_find_params():
 def test_unsharded_target_scales_the_whole_buffer_and_the_island():
     buf, records = fake_buffer(0, 1, dtype=torch.float32)
     island = torch.ones(64)
-    t = buffer_target(buf, records, sharded=False, needs_mirror=False, island=island)
+    t = buffer_target(
+        buf, layout_for(buf, records), records, sharded=False, needs_mirror=False, island=island
+    )
     assert t.spans.owned == (Span(0, buf.numel),)
     assert t.mirror is None and t.copies == []
     assert t.scale_views[-1] is island

@@ -30,6 +30,7 @@ from buffers.spans import (
     to_local,
 )
 from megatron_ext import offload
+from megatron_ext.layout import buffer_layout
 from megatron_ext.offload import (
     HostMirrorHybridOptimizer,
     MirrorLayout,
@@ -606,7 +607,6 @@ def _distopt_shaped(pa, dp, rank):
 
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron_ext.spans import GradRecord
     from megatron_ext.targets import FlatOptimizerState, buffer_target
 
     group = SimpleNamespace(size=lambda: dp, rank=lambda: rank)
@@ -640,9 +640,11 @@ def _distopt_shaped(pa, dp, rank):
             numel=b.grad_data.numel(), bucket_indices=[(0, b.grad_data.numel())],
             data_parallel_group=group, grad_dtype=dtype, param_dtype=dtype,
         )  # fmt: skip
-        records = [GradRecord(n, s.start, s.end, 0) for n, s in b.spans.items()]
         needs_mirror = not pa and dtype != torch.float32
-        targets.append(buffer_target(buf, records, sharded=True, needs_mirror=needs_mirror))
+        layout = buffer_layout(buf, {m: n for m, n in zip(index_map, b.spans, strict=True)})
+        targets.append(
+            buffer_target(buf, layout, layout.records, sharded=True, needs_mirror=needs_mirror)
+        )
         child.buffers.append(buf)
     child._get_model_param_range_map = ranges.__getitem__
     child._flat = FlatOptimizerState(targets, None)

@@ -277,8 +277,9 @@ def test_no_host_sync_in_norm_and_clip():
 
 def test_fp32_local_accumulation_lives_in_one_island():
     model, opt = build("distopt", True, patterns=("fc1.*",))
-    islands = list(model.fp32_accumulation_islands.values())
+    islands = model.fp32_islands()
     assert len(islands) == 1
+    assert sum(b.island_numel for b in model.layout.buffers) == islands[0].numel()
     island = islands[0]
     for p in (model.module.fc1.weight, model.module.fc1.bias):
         assert p.main_grad.dtype == torch.float32
