@@ -149,11 +149,26 @@ TABLE = (
     common.Column("inventory", "inventory"),
     common.Column("variant", "variant"),
     common.Column("MiB", "bytes", common.show_mib),
-    common.Column("time ms", "time_s", common.show_ms),
-    common.Column("clip cost ms", "clip_cost_s", common.show_ms),
-    common.Column("norm floor ms", "norm_floor_s", common.show_ms),
-    common.Column("clip / floor", "clip_per_floor", lambda v: f"{v:.2f}"),
-    common.Column("folded vs explicit", "grad_rel_err", lambda v: f"{v:.1e}"),
+    common.Column("time ms", "time_s", common.show_ms, "median per call"),
+    common.Column(
+        "clip cost ms",
+        "clip_cost_s",
+        common.show_ms,
+        "what the clip adds: the row's time minus the step alone's (the clip row: its time)",
+    ),
+    common.Column(
+        "norm floor ms",
+        "norm_floor_s",
+        common.show_ms,
+        "bytes / copy bandwidth measured in this run: reading the gradients once",
+    ),
+    common.Column("clip / floor", "clip_per_floor", lambda v: f"{v:.2f}", "clip cost / floor"),
+    common.Column(
+        "folded vs explicit",
+        "grad_rel_err",
+        lambda v: f"{v:.1e}",
+        "max relative difference of the folded clip's gradients from the explicit clip's",
+    ),
     common.Column("error", "error", lambda v: v.splitlines()[0][:48]),
 )
 

@@ -5,6 +5,10 @@ Timing: on CUDA, CUDA events around each call after a warm-up, median of many; o
 issuing one call without synchronizing (the device is drained before each one). The copy
 bandwidth ceiling counts read + write bytes, so a pass that reads N bytes once has the floor
 ``N / bandwidth`` and a read-modify-write pass ``2 N / bandwidth``.
+
+Output folder: ``--out DIR`` when given, else ``$OUT`` when set, else ``bench-out`` (relative
+to the current directory). Importing this module also hides megatron-core's import-time
+notices that are known and harmless here (:func:`quiet_known_notices`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
+import os
 import statistics
 import sys
 import time
@@ -33,8 +39,36 @@ BUDGET_S = 3.0
 MIN_REPS = 3
 
 
+# megatron-core's import-time notices that say nothing about a benchmark run (README,
+# "Warnings at import"): (category, message prefix) for warnings, and torch's logger that
+# reports CUDA_HOME when no CUDA runtime is found.
+KNOWN_NOTICES = (
+    (UserWarning, "Transformer Engine and Apex are not installed"),
+    (UserWarning, "absl.logging is not installed"),
+)
+QUIET_LOGGERS = ("torch.utils.cpp_extension",)
+
+
+def quiet_known_notices() -> None:
+    """Hide :data:`KNOWN_NOTICES` and :data:`QUIET_LOGGERS`' warnings; other warnings show."""
+    for category, prefix in KNOWN_NOTICES:
+        warnings.filterwarnings("ignore", message=prefix, category=category)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+quiet_known_notices()
+
+
+def default_out() -> Path:
+    """Where outputs go without ``--out``: ``$OUT`` when set, else ``bench-out``."""
+    return Path(os.environ.get("OUT") or "bench-out")
+
+
 def base_parser(description: str, timed: bool = True) -> argparse.ArgumentParser:
     """An argument parser with the options every benchmark script takes.
+
+    Every option's help ends with its default.
 
     Args:
         description: the script's one-line description, shown by ``--help``.
@@ -48,13 +82,44 @@ def base_parser(description: str, timed: bool = True) -> argparse.ArgumentParser
         "--device",
         choices=("cpu", "cuda"),
         default="cuda" if torch.cuda.is_available() else "cpu",
-        help="where to run (default: cuda when available)",
+        help="where to run (default: cuda when torch sees a GPU, else cpu; here %(default)s)",
     )
-    ap.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=default_out(),
+        help="output folder for the JSON and PNG files; --out wins over $OUT (default: $OUT "
+        "when set, else bench-out; here %(default)s)",
+    )
     if timed:
-        ap.add_argument("--warmup", type=int, default=None, help="untimed calls before timing")
-        ap.add_argument("--reps", type=int, default=None, help="timed calls (median reported)")
+        cpu, cuda = DEFAULT_REPEATS["cpu"], DEFAULT_REPEATS["cuda"]
+        ap.add_argument(
+            "--warmup",
+            type=int,
+            default=None,
+            help=f"untimed calls before timing (default: {cpu[0]} on the CPU, {cuda[0]} on CUDA)",
+        )
+        ap.add_argument(
+            "--reps",
+            type=int,
+            default=None,
+            help=f"timed calls, median reported (default: {cpu[1]} on the CPU, {cuda[1]} on "
+            "CUDA; fewer when one call takes long)",
+        )
     return ap
+
+
+# The scripts of this directory; every other module in it is a helper of some of them.
+SCRIPTS = ("norm_clip.py", "memory.py", "offload.py", "clip_step.py", "train_step.py")
+
+
+def not_a_script(path: str, scripts: Sequence[str] = SCRIPTS) -> str:
+    """The message for running a helper module of the benchmark scripts directly."""
+    names = ", ".join(f"benchmarks/{s}" for s in scripts)
+    return (
+        f"benchmarks/{Path(path).name} is a helper module of {names}, not a script; run "
+        f"python benchmarks/{scripts[0]} --help"
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -307,22 +372,26 @@ def write_json(records: Iterable[dict], out_dir: Path, name: str) -> Path:
 
 @dataclass(frozen=True)
 class Column:
-    """One column of a printed table: its header, the record key, and how to show a value."""
+    """One column of a printed table: its header, the record key, how to show a value, and
+    what it means (printed in the legend under the table; empty: self-explanatory)."""
 
     header: str
     key: str
     show: Callable[[Any], str] = str
+    meaning: str = ""
 
 
 def format_table(records: Sequence[dict], columns: Sequence[Column]) -> str:
-    """Records as an aligned text table; a missing or None value shows as ``-``.
+    """Records as an aligned text table, then a legend of the columns that have a meaning.
+
+    A missing or None value shows as ``-``.
 
     Args:
         records: the rows.
         columns: what to show, left to right.
 
     Returns:
-        The table, header line first.
+        The table, header line first, then the legend.
     """
     cells = [[c.header for c in columns]]
     for r in records:
@@ -330,6 +399,9 @@ def format_table(records: Sequence[dict], columns: Sequence[Column]) -> str:
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    legend = [f"  {c.header}: {c.meaning}" for c in columns if c.meaning]
+    if legend:
+        lines += ["columns:", *legend]
     return "\n".join(lines)
 
 
@@ -377,3 +449,7 @@ def show_mib(nbytes: float) -> str:
 def gib(nbytes: float) -> float:
     """Bytes in GiB."""
     return nbytes / 2**30
+
+
+if __name__ == "__main__":
+    sys.exit(not_a_script(__file__))

@@ -8,11 +8,16 @@ has the same parameters, hence the same host cost per step, with fewer bytes.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, find the repo
 
 import torch
 
+from benchmarks import common
 from buffers import ParamEntry
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -268,3 +273,9 @@ def describe(inventories: Sequence[Inventory]) -> str:
         mix = ", ".join(f"{n} {k}" for k, n in per_dtype.items())
         lines.append(f"{inv.name}: {inv.num_params} params ({mix}), {inv.nbytes / 2**20:.1f} MiB")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(
+        common.not_a_script(__file__, ("norm_clip.py", "memory.py", "offload.py", "clip_step.py"))
+    )

@@ -141,7 +141,7 @@ def layout_record(s: Setting, dp: int, bucket_size: int | None) -> dict:
 def parse_args(argv: list[str] | None):
     """The command line: common options plus data-parallel size and the measured model."""
     ap = common.base_parser(__doc__.splitlines()[0], timed=False)
-    ap.add_argument("--dp", type=int, default=8, help="data-parallel size (default 8)")
+    ap.add_argument("--dp", type=int, default=8, help="data-parallel size (default: %(default)s)")
     ap.add_argument(
         "--bucket-size",
         type=int,
@@ -149,8 +149,18 @@ def parse_args(argv: list[str] | None):
         help="elements per DDP bucket (default: none; Megatron turns bucketing off on "
         "pipeline stages after the first, and these are middle stages)",
     )
-    ap.add_argument("--hidden", type=int, default=8192, help="measured model's hidden size")
-    ap.add_argument("--layers", type=int, default=8, help="measured model's Linear layers")
+    ap.add_argument(
+        "--hidden",
+        type=int,
+        default=8192,
+        help="hidden size of the measured model, CUDA only (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=8,
+        help="Linear layers of the measured model, CUDA only (default: %(default)s)",
+    )
     return ap.parse_args(argv)
 
 
@@ -187,16 +197,31 @@ LAYOUT_TABLE = (
     common.Column("model", "model"),
     common.Column("params", "num_params"),
     common.Column("elements", "numel", lambda v: f"{v:,d}"),
-    common.Column("ours GiB", "ours_gib", _gib),
-    common.Column("stock GiB", "stock_gib", _gib),
-    common.Column("fp32 GiB", "fp32_gib", _gib),
-    common.Column("fp32-ours", "fp32_minus_ours_gib", _gib),
-    common.Column("stock-ours bytes", "stock_minus_ours_bytes", lambda v: f"{v:+,d}"),
+    common.Column("ours GiB", "ours_gib", _gib, "our gradient buffers per rank"),
+    common.Column(
+        "stock GiB",
+        "stock_gib",
+        _gib,
+        "megatron-core's, grad_reduce_in_fp32=False (gradients in their parameter's dtype)",
+    ),
+    common.Column("fp32 GiB", "fp32_gib", _gib, "megatron-core's, grad_reduce_in_fp32=True"),
+    common.Column("fp32-ours", "fp32_minus_ours_gib", _gib, "GiB saved against fp32"),
+    common.Column(
+        "stock-ours bytes",
+        "stock_minus_ours_bytes",
+        lambda v: f"{v:+,d}",
+        "stock minus ours (padding and bucket rounding differ)",
+    ),
 )
 MEASURED_TABLE = (
     common.Column("config", "config"),
-    common.Column("peak GiB", "peak_allocated_gib", _gib),
-    common.Column("grad buffers GiB", "grad_buffer_gib", _gib),
+    common.Column(
+        "peak GiB",
+        "peak_allocated_gib",
+        _gib,
+        "peak allocated over build, one step and the optimizer",
+    ),
+    common.Column("grad buffers GiB", "grad_buffer_gib", _gib, "DDP gradient buffers alone"),
     common.Column("error", "error", lambda v: v.splitlines()[0][:60]),
 )
 

@@ -10,7 +10,11 @@ step; the record holds the peak allocated memory over all of that.
 from __future__ import annotations
 
 import gc
+import sys
+from pathlib import Path
 from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, find the repo
 
 import torch
 
@@ -169,3 +173,7 @@ def measure_peak_memory(hidden: int, layers: int) -> list[dict]:
         finally:
             parallel_state.destroy_model_parallel()
     return records
+
+
+if __name__ == "__main__":
+    sys.exit(common.not_a_script(__file__, ("memory.py",)))

@@ -75,13 +75,14 @@ def parse_args(argv: list[str] | None):
         "--scale",
         type=_scale,
         default="auto",
-        help="width multiplier of the model inventories, or 'auto' (default): about "
-        "8 MiB of gradients each on the CPU, 6 GiB on CUDA",
+        help="width multiplier of the model inventories, or 'auto': about 8 MiB of "
+        "gradients each on the CPU, 6 GiB on CUDA (default: auto)",
     )
     ap.add_argument(
         "--scaling-counts",
         default="80,300,1000,3000,10000",
-        help="parameter counts of the scaling series (comma-separated; empty: none)",
+        help="parameter counts of the scaling series, comma-separated; empty: no series "
+        "(default: %(default)s)",
     )
     ap.add_argument(
         "--scaling-bytes",
@@ -93,9 +94,15 @@ def parse_args(argv: list[str] | None):
     ap.add_argument(
         "--variants",
         default=None,
-        help=f"comma-separated labels (default: all; {sorted(CUDA_ONLY)} only on CUDA)",
+        help=f"comma-separated rows to run, of {list(VARIANTS)} (default: all; "
+        f"{sorted(CUDA_ONLY)} only on CUDA)",
     )
-    ap.add_argument("--ops", default=",".join(OPS), help="comma-separated ops")
+    ap.add_argument(
+        "--ops",
+        default=",".join(OPS),
+        help="comma-separated ops: norm; clip (norm, then a scale on every call); clip_noop "
+        "(the coefficient clamps to 1) (default: %(default)s)",
+    )
     args = ap.parse_args(argv)
     if args.variants is None:
         skip = CUDA_ONLY if args.device != "cuda" else set()
@@ -333,19 +340,56 @@ def plot(records: list[dict], out_dir: Path) -> Path:
 
 TABLE = (
     common.Column("inventory", "inventory"),
-    common.Column("variant", "label"),
-    common.Column("op", "op"),
+    common.Column(
+        "variant",
+        "label",
+        meaning="megatron: megatron-core's get_grad_norm_fp32 + clip_grad_by_total_norm_fp32 "
+        "(without TE or Apex: its per-tensor fallback; megatron/cpu_reimpl: that algorithm "
+        "re-implemented for the CPU, where megatron-core's allocates on CUDA); upstream_fix: "
+        "grouped by dtype every call, one torch._foreach_norm per group (the nearest stand-in "
+        "for transformer-engine's fused multi-tensor L2 norm); torch: torch.nn.utils "
+        "get_total_norm / clip_grad_norm_, foreach; flat: ours (flat/megatron_spans: through "
+        "megatron_ext's DDP buffers and spans)",
+    ),
+    common.Column("op", "op", meaning="clip_noop: a clip whose coefficient clamps to 1"),
     common.Column("params", "num_params"),
     common.Column("MiB", "bytes", common.show_mib),
-    common.Column("time ms", "time_s", common.show_ms),
-    common.Column("host us", "host_time_s", lambda v: f"{v * 1e6:.0f}"),
-    common.Column("p10-p90 us", "host_range"),
-    common.Column("burst us", "host_time_burst_s", lambda v: f"{v * 1e6:.0f}"),
-    common.Column("floor ms", "floor_s", common.show_ms),
-    common.Column("ratio", "ratio", lambda v: f"{v:.2f}"),
-    common.Column("syncs", "host_syncs"),
-    common.Column("norm", "norm", lambda v: f"{v:.6g}"),
-    common.Column("rel err", "rel_err", lambda v: f"{v:.1e}"),
+    common.Column(
+        "time ms",
+        "time_s",
+        common.show_ms,
+        "median per call: CUDA events on CUDA, wall time on the CPU",
+    ),
+    common.Column(
+        "host us",
+        "host_time_s",
+        lambda v: f"{v * 1e6:.0f}",
+        "median host time to issue one call, the device drained before it",
+    ),
+    common.Column("p10-p90 us", "host_range", meaning="10th to 90th percentile of host us"),
+    common.Column(
+        "burst us",
+        "host_time_burst_s",
+        lambda v: f"{v * 1e6:.0f}",
+        "host us per call when 20 calls are issued back to back (flat rows only)",
+    ),
+    common.Column(
+        "floor ms",
+        "floor_s",
+        common.show_ms,
+        "memory floor from the copy bandwidth measured in this run: bytes / bandwidth for "
+        "norm and clip_noop, 3 x bytes / bandwidth for clip (read for the norm, read + write "
+        "to scale)",
+    ),
+    common.Column("ratio", "ratio", lambda v: f"{v:.2f}", "time ms / floor ms"),
+    common.Column("syncs", "host_syncs", meaning="host waits for the GPU in one call (CUDA only)"),
+    common.Column("norm", "norm", lambda v: f"{v:.6g}", "the pre-clip norm the call returned"),
+    common.Column(
+        "rel err",
+        "rel_err",
+        lambda v: f"{v:.1e}",
+        "|norm - reference| / reference; reference: the fp64 norm of the same gradients",
+    ),
     common.Column("error", "error", lambda v: v.splitlines()[0][:48]),
 )
 

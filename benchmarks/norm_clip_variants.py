@@ -12,16 +12,22 @@ row that goes through Megatron's buffers and spans.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, find the repo
 
 import torch
 
+from benchmarks import common
 from buffers import FlatGradBuffers
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
 CPU_NOTE = "per-parameter algorithm re-implemented for CPU"
+CPU_PATH = "cpu_reimpl"  # the megatron row's route on the CPU: shown as megatron/cpu_reimpl
 
 
 @dataclass
@@ -103,7 +109,8 @@ def megatron(named: NamedParams, device: torch.device) -> Prepared:
     """megatron-core's ``get_grad_norm_fp32`` and ``clip_grad_by_total_norm_fp32`` on the list.
 
     They allocate on CUDA (and all-reduce over the default process group, which the driver
-    creates), so on the CPU the same per-parameter algorithm runs, re-implemented here.
+    creates), so on the CPU the same per-parameter algorithm runs, re-implemented here: that
+    row's path is :data:`CPU_PATH` (``megatron/cpu_reimpl`` in the table and the plot).
     """
     grads = _attach_grads(named)
     if device.type == "cuda":
@@ -112,7 +119,7 @@ def megatron(named: NamedParams, device: torch.device) -> Prepared:
         grads,
         lambda: _per_parameter_norm(grads),
         lambda max_norm: _per_parameter_clip(grads, max_norm),
-        {"note": CPU_NOTE},
+        {"path": CPU_PATH, "note": CPU_NOTE},
     )
 
 
@@ -261,3 +268,7 @@ def flat_megatron(named: NamedParams, device: torch.device) -> Prepared:
             "note": f"{buckets} buckets, {len(chain)} optimizer(s), decoupled",
         },
     )
+
+
+if __name__ == "__main__":
+    sys.exit(common.not_a_script(__file__, ("norm_clip.py",)))

@@ -76,13 +76,21 @@ def parse_args(argv: list[str] | None):
         "--bytes", type=int, default=None,
         help="gradient bytes of each inventory (default: 4 MiB on the CPU, 1 GiB on CUDA)",
     )  # fmt: skip
-    ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks (rank 0 is shown)")
     ap.add_argument(
-        "--fraction", type=float, default=1.0, help="optimizer_offload_fraction (default 1)"
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel ranks; rank 0's shard is measured (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--fraction",
+        type=float,
+        default=1.0,
+        help="optimizer_offload_fraction, in (0, 1] (default: %(default)s)",
     )
     ap.add_argument(
         "--bucket-numel", type=int, default=40_000_000,
-        help="elements per DDP bucket (megatron-core's default for dp <= 40)",
+        help="elements per DDP bucket (default: %(default)s, megatron-core's for dp <= 40)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     if not 0.0 < args.fraction <= 1.0:
@@ -362,20 +370,25 @@ def _gbps(v: float) -> str:
 TABLE = (
     common.Column("inventory", "inventory"),
     common.Column("variant", "variant"),
-    common.Column("params", "offloaded_params"),
-    common.Column("D2H copies", "d2h_copies"),
+    common.Column("params", "offloaded_params", meaning="offloaded parameters of rank 0"),
+    common.Column("D2H copies", "d2h_copies", meaning="device-to-host copies per step"),
     common.Column("D2H MiB", "d2h_bytes", common.show_mib),
-    common.Column("D2H ms", "d2h_s", common.show_ms),
-    common.Column("GB/s", "d2h_Bps", _gbps),
-    common.Column("ceiling GB/s", "ceiling_Bps", _gbps),
-    common.Column("% ceiling", "ceiling_ratio", lambda v: f"{100 * v:.0f}"),
-    common.Column("convert ms", "convert_s", common.show_ms),
-    common.Column("CPU step ms", "cpu_step_s", common.show_ms),
-    common.Column("pack ms", "pack_s", common.show_ms),
-    common.Column("H2D copies", "h2d_copies"),
-    common.Column("H2D ms", "h2d_s", common.show_ms),
-    common.Column("pinned MiB", "pinned_bytes", common.show_mib),
-    common.Column("owned MiB", "owned_bytes", common.show_mib),
+    common.Column("D2H ms", "d2h_s", common.show_ms, "device-to-host time per step, median"),
+    common.Column("GB/s", "d2h_Bps", _gbps, "D2H MiB / D2H ms"),
+    common.Column(
+        "ceiling GB/s",
+        "ceiling_Bps",
+        _gbps,
+        "one pinned device-to-host copy of the flat bytes, this run (CPU: a host memcpy)",
+    ),
+    common.Column("% ceiling", "ceiling_ratio", lambda v: f"{100 * v:.0f}", "GB/s / ceiling"),
+    common.Column("convert ms", "convert_s", common.show_ms, "host pass to fp32 (flat)"),
+    common.Column("CPU step ms", "cpu_step_s", common.show_ms, "fused AdamW on the host"),
+    common.Column("pack ms", "pack_s", common.show_ms, "host pass back to bf16 (flat)"),
+    common.Column("H2D copies", "h2d_copies", meaning="host-to-device copies per step"),
+    common.Column("H2D ms", "h2d_s", common.show_ms, "host-to-device time per step, median"),
+    common.Column("pinned MiB", "pinned_bytes", common.show_mib, "pinned host memory held"),
+    common.Column("owned MiB", "owned_bytes", common.show_mib, "rank 0's offloaded gradients"),
     common.Column("error", "error", lambda v: v.splitlines()[0][:48]),
 )
 

@@ -178,24 +178,31 @@ def _norm_and_clip(opt, option: bool):
     return [c.clip_grad_norm(c.config.clip_grad) for c in opt.chained_optimizers][0]
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parse_args(argv: list[str] | None):
+    """The command line: common options plus the model's sizes and the step counts."""
     ap = base_parser(__doc__.splitlines()[0], timed=False)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
-    args = ap.parse_args(argv)
+    for name, default, meaning in (
+        ("--layers", 4, "transformer layers"),
+        ("--hidden", 2048, "hidden size"),
+        ("--heads", 16, "attention heads"),
+        ("--vocab", 32000, "vocabulary size"),
+        ("--seq", 1024, "sequence length"),
+        ("--batch", 4, "micro-batch size"),
+        ("--steps", 6, "timed training steps per configuration"),
+        ("--warmup", 2, "untimed training steps first"),
+    ):
+        ap.add_argument(name, type=int, default=default, help=f"{meaning} (default: %(default)s)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Measure every configuration, write JSON and PNG, print the table; CUDA only."""
+    args = parse_args(argv)
     if args.device != "cuda" or not torch.cuda.is_available():
-        print(
-            "train_step needs CUDA (megatron-core's DDP and optimizers allocate on CUDA); "
-            "nothing measured"
+        raise SystemExit(
+            "train_step needs CUDA (megatron-core's DDP and optimizers allocate on CUDA): "
+            f"nothing measured, nothing written to {args.out}"
         )
-        write_json([], args.out, NAME)
-        return []
     torch.cuda.set_device(0)
     rows = []
     with single_rank_process_group("tcp://127.0.0.1:29541"):
@@ -216,10 +223,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 Column("config", "config"),
                 Column("variant", "variant"),
                 Column("fp32 islands", "fp32_islands"),
-                Column("fwd+bwd ms", "fwd_bwd_ms", lambda v: f"{v:.2f}"),
-                Column("norm+clip ms", "norm_clip_ms", lambda v: f"{v:.3f}"),
-                Column("optimizer ms", "optimizer_ms", lambda v: f"{v:.2f}"),
-                Column("peak GiB", "peak_gib", lambda v: f"{v:.2f}"),
+                Column("fwd+bwd ms", "fwd_bwd_ms", lambda v: f"{v:.2f}", "median per step"),
+                Column("norm+clip ms", "norm_clip_ms", lambda v: f"{v:.3f}", "median per step"),
+                Column(
+                    "optimizer ms",
+                    "optimizer_ms",
+                    lambda v: f"{v:.2f}",
+                    "median per step: copy to main grads, inner step, parameter gather",
+                ),
+                Column("peak GiB", "peak_gib", lambda v: f"{v:.2f}", "peak allocated"),
                 Column("loss first->last", "loss_last", lambda v: f"{v:.4f}"),
                 Column("error", "error", lambda v: v[:70]),
             ],

@@ -6,9 +6,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$root/scripts/setup_env.sh"
 cd "$root"
-out=${OUT:-bench-out}
-# megatron-core warns at import that TE and Apex are missing; we know (see README).
-export PYTHONWARNINGS="ignore:Transformer Engine and Apex,ignore:absl.logging is not installed"
+out=${OUT:-bench-out}  # the scripts' own default too; they hide megatron-core's known notices
 echo "== demo: a mixed bf16/fp32 model trained with FlatGradBuffers"
 "$PY" -m buffers.demo "$@"
 echo

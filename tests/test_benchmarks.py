@@ -174,3 +174,123 @@ def test_norm_clip_host_times_interleave_ops_in_rounds():
         assert fields["host_time_burst_s"] > 0
     no_burst = script.measure_host(prep, ops, torch.device("cpu"), reps=2, burst=False)
     assert no_burst["clip"]["host_time_burst_s"] is None
+
+
+# --- every script: --help, where it runs from, where it writes, what it says --------------
+
+SCRIPTS = ("norm_clip", "memory", "offload", "clip_step", "train_step")
+HELPERS = ("common", "inventories", "norm_clip_variants", "memory_ddp")
+NOTICES = ("Transformer Engine and Apex", "absl.logging", "CUDA_HOME")
+
+
+def test_every_script_and_helper_is_known():
+    on_disk = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__"}
+    assert on_disk == set(SCRIPTS) | set(HELPERS)
+    assert tuple(f"{s}.py" for s in SCRIPTS) == load_script("common").SCRIPTS
+
+
+class _Parsed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_gives_every_options_meaning_and_default(name, monkeypatch):
+    import argparse
+
+    script = load_script(name)
+    parsers = []
+
+    def record(self, *args, **kwargs):
+        parsers.append(self)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", record)
+    with pytest.raises(_Parsed):
+        script.main(["--help"])
+    (parser,) = parsers
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert {"--device", "--out"} <= {s for a in options for s in a.option_strings}
+    for action in options:
+        assert action.help and "default" in action.help, (name, action.option_strings)
+
+
+def test_scripts_run_from_elsewhere_and_helpers_say_what_to_run(tmp_path):
+    """``python /path/to/benchmarks/X.py --help`` from another directory, all at once."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONWARNINGS")}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--help"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in SCRIPTS + HELPERS
+    }
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        if name in SCRIPTS:
+            assert proc.returncode == 0, (name, err)
+            assert out.startswith("usage:") and "--out OUT" in out, name
+            for notice in NOTICES:  # megatron-core's harmless notices stay hidden
+                assert notice not in err, (name, err)
+        else:
+            assert proc.returncode == 1, (name, out, err)
+            assert f"benchmarks/{name}.py is a helper module of" in err, (name, err)
+            assert "--help" in err
+    assert list(tmp_path.iterdir()) == []  # --help writes nothing
+
+
+def test_out_comes_from_the_flag_then_OUT_then_bench_out(tmp_path, monkeypatch):
+    script = load_script("memory")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OUT", str(tmp_path / "from_env"))
+    script.main(["--device", "cpu"])
+    assert (tmp_path / "from_env" / "memory.json").exists()
+    script.main(["--device", "cpu", "--out", str(tmp_path / "from_flag")])
+    assert (tmp_path / "from_flag" / "memory.json").exists()
+    monkeypatch.delenv("OUT")
+    script.main(["--device", "cpu"])
+    assert (tmp_path / "bench-out" / "memory.json").exists()
+
+
+def test_train_step_on_the_cpu_fails_and_writes_nothing(tmp_path):
+    script = load_script("train_step")
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--device", "cpu", "--out", str(tmp_path / "out")])
+    assert isinstance(exc.value.code, str) and "needs CUDA" in exc.value.code  # exit status 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_offload_cpu_run(tmp_path):
+    script = load_script("offload")
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--bytes", "65536"]
+    returned = script.main(argv + ["--warmup", "0", "--reps", "1"])
+    records = read_outputs(tmp_path, "offload")
+    assert records == json.loads(json.dumps(returned))
+    assert {(r["inventory"], r["variant"]) for r in records} == {
+        (i, v) for i in ("dense_gpt", "deepseek_moe") for v in script.VARIANTS
+    }
+    for r in records:
+        assert set(script.RECORD_FIELDS) <= set(r)
+        assert r["error"] is None and r["note"] == script.CPU_NOTE
+
+
+def test_tables_end_with_a_legend_of_their_columns(norm_clip_run):
+    script, _, records = norm_clip_run
+    common = load_script("common")
+    table = common.format_table([r | script._table_fields(r) for r in records], script.TABLE)
+    legend = table.split("\ncolumns:\n", 1)[1]
+    for header in ("ratio", "burst us", "syncs", "rel err", "floor ms", "variant"):
+        assert f"  {header}: " in legend, header
+    assert "fp64" in legend and "transformer-engine" in legend
+
+
+def test_cpu_megatron_rows_are_labelled_as_a_reimplementation(norm_clip_run):
+    script, _, records = norm_clip_run
+    labels = {script.row_label(r) for r in records if r["variant"] == "megatron"}
+    assert labels == {"megatron/cpu_reimpl"}  # the table's and the plot's label
