@@ -7,14 +7,15 @@ the second time, and from then on replays the graph: one host call instead of on
 launch. The result is the same launches on the same data, so the same bits.
 
 Replay is skipped (plain eager launches) on the CPU, while a CUDA graph is being captured
-by the caller (the caller's capture then records the launches themselves), when
-``BUFFERS_CUDA_GRAPHS=0``, and for a sequence whose capture failed once (a warning says
-why). Results are returned as fresh tensors: a graph's output tensor is rewritten by the
-next replay, so it is never handed out.
+by the caller (the caller's capture then records the launches themselves), with
+``cuda_graphs=False`` (:class:`buffers.options.BufferOptions`, or ``BUFFERS_CUDA_GRAPHS=0``),
+and for a sequence whose capture failed once (a warning says why). Results are returned as
+fresh tensors: a graph's output tensor is rewritten by the next replay, so it is never
+handed out.
 
 A norm or clip reduced over a process group (:meth:`NormClip.clip_reduced_`,
 :meth:`NormClip.norm_reduced`) captures the all-reduce in the same graph when the group is
-NCCL's (:func:`reduce_capturable`; ``BUFFERS_GRAPH_COLLECTIVES=0`` keeps it outside): the
+NCCL's (:func:`reduce_capturable`; ``graph_collectives=False`` keeps it outside): the
 whole sequence is then one replay. Every rank captures at the same call (the second) and
 runs the reduction once per call, eagerly or replayed, so the ranks' collectives still
 match one for one.
@@ -22,38 +23,38 @@ match one for one.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 
 from . import ops
+from .options import DEFAULT, BufferOptions
 
 _EAGER = object()  # marks a key whose capture failed: always run eagerly
 
 
-def graphs_enabled(device: torch.device) -> bool:
+def graphs_enabled(device: torch.device, options: BufferOptions = DEFAULT) -> bool:
     """Whether norm/clip on ``device`` may be replayed as CUDA graphs right now."""
-    if device.type != "cuda" or os.environ.get("BUFFERS_CUDA_GRAPHS", "1") == "0":
+    if device.type != "cuda" or not options.effective_cuda_graphs:
         return False
     return not torch.cuda.is_current_stream_capturing()
 
 
-def reduce_capturable(group, device: torch.device) -> bool:
+def reduce_capturable(group, device: torch.device, options: BufferOptions = DEFAULT) -> bool:
     """Whether an all-reduce over ``group`` may be captured inside a norm/clip graph.
 
-    True for NCCL groups on CUDA while graphs are enabled, unless
-    ``BUFFERS_GRAPH_COLLECTIVES=0``. NCCL collectives can be captured in CUDA graphs (as
+    True for NCCL groups on CUDA while graphs are enabled, unless ``graph_collectives=False``
+    (or ``BUFFERS_GRAPH_COLLECTIVES=0``). NCCL collectives can be captured in CUDA graphs (as
     megatron-core's full-iteration graphs do); a replay then launches the all-reduce with
     the rest, one host call in all. Other backends (gloo) run the reduction between replays.
     """
-    return _capture_allowed(device) and _is_nccl(group)
+    return _capture_allowed(device, options) and _is_nccl(group)
 
 
-def _capture_allowed(device: torch.device) -> bool:
+def _capture_allowed(device: torch.device, options: BufferOptions) -> bool:
     """The part of :func:`reduce_capturable` that may change between calls."""
-    return graphs_enabled(device) and os.environ.get("BUFFERS_GRAPH_COLLECTIVES", "1") != "0"
+    return graphs_enabled(device, options) and options.effective_graph_collectives
 
 
 def _is_nccl(group) -> bool:
@@ -78,10 +79,13 @@ class GroupReducer:
     is still re-read per call for what can change (graphs on or off, the environment).
     """
 
-    def __init__(self, p: float, group, device: torch.device) -> None:
+    def __init__(
+        self, p: float, group, device: torch.device, options: BufferOptions = DEFAULT
+    ) -> None:
         self.p = p
         self.group = group
         self.device = device
+        self.options = options
         self._nccl = _is_nccl(group)
         self.key = group_key(group)
 
@@ -90,7 +94,7 @@ class GroupReducer:
 
     def args(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool, object]:
         """``(reduce, capture_reduce, reduce_key)``."""
-        return self.reduce, self._nccl and _capture_allowed(self.device), self.key
+        return self.reduce, self._nccl and _capture_allowed(self.device, self.options), self.key
 
 
 def group_key(group) -> object:
@@ -122,8 +126,14 @@ class GraphReplayer:
     dropped and re-captured, so a replay never touches freed memory.
     """
 
-    def __init__(self, device: torch.device, sources: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        sources: Sequence[torch.Tensor] = (),
+        options: BufferOptions = DEFAULT,
+    ) -> None:
         self.device = device
+        self.options = options
         self._graphs: dict[object, object] = {}
         self._pool = None
         self.captures = 0  # how many graphs were captured (tests and benchmarks read it)
@@ -142,7 +152,7 @@ class GraphReplayer:
         return tuple(out)
 
     def __call__(self, key, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        if not graphs_enabled(self.device):
+        if not graphs_enabled(self.device, self.options):
             self._graphs.setdefault(key, "warm")
             return fn()
         if self._captured_at is not None and self._storage_signature() != self._captured_at:
@@ -210,6 +220,7 @@ class NormClip:
         norm_groups: per buffer, the views whose elements the norm counts.
         scale_groups: per buffer, the views a clip scales.
         device: where results live.
+        options: backend and graph switches (:class:`buffers.options.BufferOptions`).
     """
 
     def __init__(
@@ -217,22 +228,24 @@ class NormClip:
         norm_groups: Sequence[Sequence[torch.Tensor]],
         scale_groups: Sequence[Sequence[torch.Tensor]],
         device: torch.device,
+        options: BufferOptions = DEFAULT,
     ) -> None:
         self.norm_groups = [list(g) for g in norm_groups]
         self.scale_groups = [list(g) for g in scale_groups]
         self.device = device
+        self.options = options
         sources = [v for g in self.norm_groups + self.scale_groups for v in g]
-        self.replay = GraphReplayer(device, sources)
+        self.replay = GraphReplayer(device, sources, options)
         # Fixed inputs of the captured sequences: values are written before each replay.
         self._norm_in = torch.zeros((), dtype=torch.float32, device=device)
         self._stat_in = torch.zeros((), dtype=torch.float32, device=device)
         self.inverse_coeff = torch.ones((), dtype=torch.float32, device=device)
         self._max_in = torch.zeros((), dtype=torch.float32, device=device)
         self._max_value: float | None = None
-        ops.prepare_groups(self.norm_groups + self.scale_groups)
+        ops.prepare_groups(self.norm_groups + self.scale_groups, options)
 
     def _stat(self, p: float) -> torch.Tensor:
-        return ops.local_power_stat(self.norm_groups, p, self.device)
+        return ops.local_power_stat(self.norm_groups, p, self.device, self.options)
 
     def _set_max(self, max_norm: float) -> None:
         # Inside a caller's capture a fill is only recorded, not run: fill, and forget the
@@ -244,7 +257,9 @@ class NormClip:
 
     def _clip_to_max(self, total: torch.Tensor) -> torch.Tensor:
         """Scale every scale view by the clip coefficient of ``total``; returns ``total``."""
-        ops.scale_groups_(self.scale_groups, ops.clip_coefficient(total, self._max_in))
+        ops.scale_groups_(
+            self.scale_groups, ops.clip_coefficient(total, self._max_in), self.options
+        )
         return total
 
     def local_stat(self, p: float) -> torch.Tensor:

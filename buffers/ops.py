@@ -9,10 +9,11 @@ several) plus a handful of scalar ops on the results, and never syncs with the h
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
+
+from .options import DEFAULT, BufferOptions
 
 INF = math.inf
 
@@ -188,8 +189,7 @@ class TransformerEngineBackend(TorchBackend):
 
 
 _TORCH = TorchBackend()
-_CUDA_CACHE: dict[torch.device, TorchBackend] = {}
-BACKENDS = ("auto", "triton", "te", "torch")
+_CUDA_CACHE: dict[tuple[torch.device, str], TorchBackend] = {}
 
 
 def _load_triton() -> TorchBackend | None:
@@ -209,8 +209,9 @@ def _load_te(device: torch.device) -> TorchBackend | None:
     return TransformerEngineBackend(multi_tensor_applier, tex.multi_tensor_l2norm, device)
 
 
-def backend_for(device: torch.device) -> TorchBackend:
-    """The backend for tensors on ``device``, chosen by ``BUFFERS_BACKEND``.
+def backend_for(device: torch.device, options: BufferOptions = DEFAULT) -> TorchBackend:
+    """The backend for tensors on ``device``, chosen by ``options.backend``
+    (``BUFFERS_BACKEND`` overrides it).
 
     ``auto`` (default): on CUDA, Triton when it imports, else transformer-engine when it
     imports, else torch; on other devices torch. ``triton``/``te`` ask for one (falling back
@@ -218,10 +219,8 @@ def backend_for(device: torch.device) -> TorchBackend:
     """
     if device.type != "cuda":
         return _TORCH
-    if device not in _CUDA_CACHE:
-        choice = os.environ.get("BUFFERS_BACKEND", "auto")
-        if choice not in BACKENDS:
-            raise ValueError(f"BUFFERS_BACKEND={choice!r}; expected one of {BACKENDS}")
+    choice = options.effective_backend
+    if (device, choice) not in _CUDA_CACHE:
         loaders = {
             "auto": [_load_triton, lambda: _load_te(device)],
             "triton": [_load_triton],
@@ -229,19 +228,24 @@ def backend_for(device: torch.device) -> TorchBackend:
             "torch": [],
         }[choice]
         found = (b for b in (load() for load in loaders) if b is not None)
-        _CUDA_CACHE[device] = next(found, _TORCH)
-    return _CUDA_CACHE[device]
+        _CUDA_CACHE[device, choice] = next(found, _TORCH)
+    return _CUDA_CACHE[device, choice]
 
 
-def prepare_groups(groups: Sequence[Sequence[torch.Tensor]]) -> None:
+def prepare_groups(
+    groups: Sequence[Sequence[torch.Tensor]], options: BufferOptions = DEFAULT
+) -> None:
     """Let each buffer's backend build its per-span state now, not inside the first step."""
     for views in groups:
         if views:
-            backend_for(views[0].device).prepare(views)
+            backend_for(views[0].device, options).prepare(views)
 
 
 def local_power_stat(
-    groups: Sequence[Sequence[torch.Tensor]], p: float, device: torch.device
+    groups: Sequence[Sequence[torch.Tensor]],
+    p: float,
+    device: torch.device,
+    options: BufferOptions = DEFAULT,
 ) -> torch.Tensor:
     """This rank's contribution to a p-norm: sum of |x|^p (max |x| for inf), 0-dim.
 
@@ -250,7 +254,7 @@ def local_power_stat(
     fp64: fp64 gradients keep fp64's range and precision up to the norm (in fp32, the square
     of an element above ~1.8e19 is inf, and below ~1e-19 it loses bits, then becomes 0).
     """
-    parts = [backend_for(v[0].device).power_sum(v, p) for v in groups if v]
+    parts = [backend_for(v[0].device, options).power_sum(v, p) for v in groups if v]
     if not parts:
         return torch.zeros((), dtype=torch.float32, device=device)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
@@ -302,11 +306,15 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float | torch.Tensor) -
     return torch.clamp(coeff, max=1.0)
 
 
-def scale_groups_(groups: Sequence[Sequence[torch.Tensor]], coeff: torch.Tensor) -> None:
+def scale_groups_(
+    groups: Sequence[Sequence[torch.Tensor]],
+    coeff: torch.Tensor,
+    options: BufferOptions = DEFAULT,
+) -> None:
     """Multiply every view by the device scalar ``coeff``; one launch per buffer."""
     for views in groups:
         if views:
-            backend_for(views[0].device).scale_(views, coeff.to(views[0].device))
+            backend_for(views[0].device, options).scale_(views, coeff.to(views[0].device))
 
 
 def count_zeros_groups(

@@ -9,6 +9,7 @@ import torch
 
 from . import graphs, ops
 from .graphs import NormClip
+from .options import DEFAULT, BufferOptions
 from .plan import LayoutPlan, ParamEntry, plan_layout
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -63,6 +64,8 @@ class FlatGradBuffers:
             duplicates of gradients counted elsewhere).
         align: every gradient starts at a multiple of ``align`` elements.
         device: where the buffers live. Default: the parameters' device.
+        options: kernel backend and CUDA-graph switches
+            (:class:`buffers.options.BufferOptions`; default: all on, ``auto`` backend).
     """
 
     def __init__(
@@ -72,8 +75,10 @@ class FlatGradBuffers:
         counted: Callable[[torch.Tensor], bool] | None = None,
         align: int = 64,
         device: torch.device | str | None = None,
+        options: BufferOptions = DEFAULT,
     ) -> None:
         named = _named(params)
+        self.options = options
         seen: set[int] = set()
         self._params: list[tuple[str, torch.Tensor]] = []
         for name, p in named:
@@ -130,7 +135,7 @@ class FlatGradBuffers:
         self._norm_groups = views(lambda b: b.norm_spans)
         self._scale_groups = views(lambda b: b.scale_spans)
         # Replays norm/clip as CUDA graphs after the first calls (buffers/graphs.py).
-        self._norm_clip = NormClip(self._norm_groups, self._scale_groups, self.device)
+        self._norm_clip = NormClip(self._norm_groups, self._scale_groups, self.device, options)
         self._norm_padding = sum(
             n for b in self.plan.buffers.values() for n in b.padding_in.values()
         )
@@ -228,7 +233,7 @@ class FlatGradBuffers:
             return self._norm_clip.norm(p)
         # Built per call, not kept: holding the group past destroy_process_group() can
         # abort the process when these buffers are freed later (seen with gloo).
-        reducer = graphs.GroupReducer(p, group, self.device)
+        reducer = graphs.GroupReducer(p, group, self.device, self.options)
         return self._norm_clip.norm_reduced(p, *reducer.args())
 
     def clip_grad_norm_(
@@ -257,7 +262,7 @@ class FlatGradBuffers:
             p = ops.check_norm_type(norm_type)
             if group is None:
                 return self._norm_clip.clip_(float(max_norm), p)
-            reducer = graphs.GroupReducer(p, group, self.device)
+            reducer = graphs.GroupReducer(p, group, self.device, self.options)
             return self._norm_clip.clip_reduced_(float(max_norm), p, *reducer.args())
         total = self.grad_norm(norm_type, group)
         if error_if_nonfinite and not torch.isfinite(total).item():

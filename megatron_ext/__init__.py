@@ -17,6 +17,7 @@ from .fp32 import Float16Module, cast_marked_to_fp32, mark_keep_in_fp32
 from .install import install, uninstall
 from .norm_audit import AuditResult, NormOwnershipError, audit_norm_ownership, explain_norm
 from .optimizer import enable_flat_norm, get_megatron_optimizer
+from .options import MegatronOptions
 
 __all__ = [
     "AuditResult",
@@ -27,6 +28,7 @@ __all__ = [
     "DistributedDataParallelConfig",
     "Float16Module",
     "LayoutMismatchError",
+    "MegatronOptions",
     "cast_marked_to_fp32",
     "enable_flat_norm",
     "get_megatron_optimizer",

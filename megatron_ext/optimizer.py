@@ -9,10 +9,12 @@ import torch
 
 from buffers import graphs, ops
 from buffers.graphs import NormClip
+from buffers.options import DEFAULT, BufferOptions
 
 from . import offload, seam
 from .ddp import counted_records
 from .layout import BufferLayout
+from .options import MegatronOptions
 from .targets import FlatOptimizerState, buffer_target, mirror_view
 
 DistributedOptimizer = seam.target("DistributedOptimizer")
@@ -21,7 +23,9 @@ FP32Optimizer = seam.target("FP32Optimizer")
 ChainedOptimizer = seam.target("ChainedOptimizer")
 
 
-def get_megatron_optimizer(config, model_chunks, *args, host_mirrors: bool = True, **kwargs):
+def get_megatron_optimizer(
+    config, model_chunks, *args, options: MegatronOptions | None = None, **kwargs
+):
     """megatron-core's ``get_megatron_optimizer``, flat norm/clip when the DDP option is on.
 
     Same signature and return types as megatron-core's. When the model chunks are
@@ -31,10 +35,11 @@ def get_megatron_optimizer(config, model_chunks, *args, host_mirrors: bool = Tru
     flat buffers computed here, once. Natively fp32 parameters also work with the
     distributed optimizer and CPU offload, which stock megatron-core 0.19 rejects.
 
-    With CPU offload (``optimizer_cpu_offload=True``) and ``host_mirrors=True`` (the
-    default; only read when the option is on), gradients and parameters move through one
-    pinned host mirror per flat buffer (:mod:`megatron_ext.offload`); ``host_mirrors=False``
-    keeps megatron-core's per-parameter copies.
+    ``options`` (:class:`megatron_ext.MegatronOptions`, only read when the option is on):
+    the kernels' backend, CUDA-graph replay, and with CPU offload
+    (``optimizer_cpu_offload=True``) whether gradients and parameters move through one
+    pinned host mirror per flat buffer (``host_mirrors=True``, the default;
+    :mod:`megatron_ext.offload`) or megatron-core's per-parameter copies.
     """
     flags = [bool(getattr(m, "per_dtype_grad_buffers", False)) for m in model_chunks]
     if not any(flags):
@@ -46,7 +51,7 @@ def get_megatron_optimizer(config, model_chunks, *args, host_mirrors: bool = Tru
         )
     with _fp32_shards_as_leaves():
         opt = seam.target("get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
-    return enable_flat_norm(opt, model_chunks, host_mirrors=host_mirrors)
+    return enable_flat_norm(opt, model_chunks, options=options)
 
 
 @contextlib.contextmanager
@@ -81,12 +86,13 @@ def _fp32_shards_as_leaves():
         DistributedOptimizer._build_model_and_main_param_groups = original
 
 
-def enable_flat_norm(opt, model_chunks, *, host_mirrors: bool = True):
+def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = None):
     """Give ``opt`` (a ChainedOptimizer or one child) flat norm/clip; returns it.
 
-    ``host_mirrors``: CPU-offloaded distributed optimizers also get flat host mirrors
-    (:func:`megatron_ext.offload.attach_host_mirrors`).
+    ``options.host_mirrors``: CPU-offloaded distributed optimizers also get flat host
+    mirrors (:func:`megatron_ext.offload.attach_host_mirrors`).
     """
+    options = MegatronOptions() if options is None else options
     if isinstance(opt, ChainedOptimizer):
         seam.check_instance("ChainedOptimizer", opt)
     children = opt.chained_optimizers if isinstance(opt, ChainedOptimizer) else [opt]
@@ -94,13 +100,13 @@ def enable_flat_norm(opt, model_chunks, *, host_mirrors: bool = True):
     _check_no_separate_norm_groups(opt)
     for child in children:
         _check_supported(child)
-        child._flat = _build_state(child, placed)
+        child._flat = _build_state(child, placed, options)
         child.__class__ = _flat_class(type(child))
-        if host_mirrors:
+        if options.host_mirrors:
             offload.attach_host_mirrors(child)
         # Norm and scale launches over these fixed spans, replayed as CUDA graphs.
         child._flat_norm_clip = NormClip(
-            child._flat.norm_groups, child._flat.scale_groups, _device()
+            child._flat.norm_groups, child._flat.scale_groups, _device(), options
         )
     if isinstance(opt, ChainedOptimizer):
         opt.__class__ = _flat_class(type(opt))
@@ -111,6 +117,7 @@ def enable_flat_norm(opt, model_chunks, *, host_mirrors: bool = True):
                 [g for c in children for g in c._flat.norm_groups],
                 [g for c in children for g in c._flat.scale_groups],
                 _device(),
+                options,
             )
     return opt
 
@@ -170,7 +177,7 @@ def placed_buffers(model_chunks) -> list[tuple[object, BufferLayout, torch.Tenso
     ]
 
 
-def _build_state(child, placed) -> FlatOptimizerState:
+def _build_state(child, placed, options: BufferOptions = DEFAULT) -> FlatOptimizerState:
     if getattr(child, "is_stub_optimizer", False):
         return FlatOptimizerState([], None)
     distributed = isinstance(child, DistributedOptimizer)
@@ -213,7 +220,7 @@ def _build_state(child, placed) -> FlatOptimizerState:
         by_buffer.append((buf, t))
     bindings = _bindings(child, by_buffer) if any(t.mirror is not None for t in targets) else None
     state = FlatOptimizerState(targets, bindings)
-    ops.prepare_groups(state.norm_groups + state.scale_groups)
+    ops.prepare_groups(state.norm_groups + state.scale_groups, options)
     return state
 
 
@@ -287,7 +294,8 @@ class FlatNormOptimizer:
             group = self.get_grad_stats_parallel_group()
         reducer = self.__dict__.get("_flat_group_reducer")
         if reducer is None or reducer.group is not group:
-            reducer = graphs.GroupReducer(2.0, group, self._flat_norm_clip.device)
+            nc = self._flat_norm_clip
+            reducer = graphs.GroupReducer(2.0, group, nc.device, nc.options)
             self._flat_group_reducer = reducer
         return reducer.args()
 

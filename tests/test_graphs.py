@@ -59,7 +59,7 @@ def fake_cuda(monkeypatch):
         recorded.append(graph)
         return graph, out
 
-    monkeypatch.setattr(graphs, "graphs_enabled", lambda device: True)
+    monkeypatch.setattr(graphs, "graphs_enabled", lambda device, options=None: True)
     monkeypatch.setattr(graphs.GraphReplayer, "_record", record)
     return recorded
 
@@ -176,7 +176,7 @@ def test_reduce_capturable_only_for_nccl_while_graphs_are_on(monkeypatch):
 
     cuda = torch.device("cuda")
     assert graphs.reduce_capturable(None, torch.device("cpu")) is False
-    monkeypatch.setattr(graphs, "graphs_enabled", lambda device: True)
+    monkeypatch.setattr(graphs, "graphs_enabled", lambda device, options=None: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     for backend, want in [("nccl", True), ("cpu:gloo,cuda:nccl", True), ("gloo", False)]:
         monkeypatch.setattr(dist, "get_backend", lambda group, b=backend: b)
@@ -201,7 +201,7 @@ def test_group_reducer_looks_up_the_backend_once_and_rereads_the_switches(monkey
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group: lookups.append(group) or "nccl")
     enabled = {"on": True}
-    monkeypatch.setattr(graphs, "graphs_enabled", lambda device: enabled["on"])
+    monkeypatch.setattr(graphs, "graphs_enabled", lambda device, options=None: enabled["on"])
     group = object()
     reducer = graphs.GroupReducer(2.0, group, cuda)
     assert reducer.args()[1] is True

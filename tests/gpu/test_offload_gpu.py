@@ -104,7 +104,9 @@ def build(*, fraction, pa, overlap, fp32_first=False, grads_fp32=False, host_mir
         optimizer_offload_fraction=fraction,
         overlap_cpu_optimizer_d2h_h2d=overlap,
     )
-    opt = megatron_ext.get_megatron_optimizer(ocfg, [model], host_mirrors=host_mirrors)
+    opt = megatron_ext.get_megatron_optimizer(
+        ocfg, [model], options=megatron_ext.MegatronOptions(host_mirrors=host_mirrors)
+    )
     return model, opt
 
 

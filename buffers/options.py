@@ -1,0 +1,69 @@
+"""Behaviour switches of the flat norm and clip, as one explicit, frozen option set.
+
+Pass :class:`BufferOptions` where the buffers are built (``FlatGradBuffers(...,
+options=...)``; the Megatron side's :class:`megatron_ext.options.MegatronOptions` extends
+it). The environment variables ``BUFFERS_BACKEND``, ``BUFFERS_CUDA_GRAPHS`` and
+``BUFFERS_GRAPH_COLLECTIVES`` remain, only as overrides of whatever the options say (for
+switching a job without editing it); they are read when a switch is used, so a change
+takes effect at the next call.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "triton", "te", "torch")
+
+
+@dataclass(frozen=True)
+class BufferOptions:
+    """How norms and clips run.
+
+    Attributes:
+        backend: fused kernels on CUDA: ``auto`` (Triton when it imports, else
+            transformer-engine when it imports, else torch), ``triton``, ``te`` or
+            ``torch``. The CPU always uses torch's kernels.
+        cuda_graphs: replay the launches of a norm or clip as a CUDA graph from the third
+            call on (:mod:`buffers.graphs`).
+        graph_collectives: capture an all-reduce over an NCCL group in the same graph
+            (otherwise it runs between two replays).
+    """
+
+    backend: str = "auto"
+    cuda_graphs: bool = True
+    graph_collectives: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
+
+    @property
+    def effective_backend(self) -> str:
+        """``backend``, unless ``BUFFERS_BACKEND`` overrides it."""
+        choice = os.environ.get("BUFFERS_BACKEND") or self.backend
+        if choice not in BACKENDS:
+            raise ValueError(f"BUFFERS_BACKEND={choice!r}; expected one of {BACKENDS}")
+        return choice
+
+    @property
+    def effective_cuda_graphs(self) -> bool:
+        """``cuda_graphs``, unless ``BUFFERS_CUDA_GRAPHS`` (0 or 1) overrides it."""
+        return _switch("BUFFERS_CUDA_GRAPHS", self.cuda_graphs)
+
+    @property
+    def effective_graph_collectives(self) -> bool:
+        """``graph_collectives``, unless ``BUFFERS_GRAPH_COLLECTIVES`` overrides it."""
+        return _switch("BUFFERS_GRAPH_COLLECTIVES", self.graph_collectives)
+
+
+def _switch(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}; expected 0 or 1")
+    return value == "1"
+
+
+DEFAULT = BufferOptions()

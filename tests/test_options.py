@@ -1,0 +1,58 @@
+"""Behaviour switches as explicit options, environment variables only as overrides."""
+
+import pytest
+import torch
+
+from buffers import BufferOptions, FlatGradBuffers, graphs, ops
+from megatron_ext import MegatronOptions
+
+
+def test_defaults_and_validation():
+    o = BufferOptions()
+    assert (o.backend, o.cuda_graphs, o.graph_collectives) == ("auto", True, True)
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        BufferOptions(backend="cuda")
+    assert MegatronOptions().host_mirrors is True
+    assert MegatronOptions(host_mirrors=False, backend="torch").backend == "torch"
+
+
+def test_environment_variables_override_the_options(monkeypatch):
+    off = BufferOptions(cuda_graphs=False, graph_collectives=False, backend="torch")
+    on = BufferOptions()
+    assert not off.effective_cuda_graphs and on.effective_cuda_graphs
+    monkeypatch.setenv("BUFFERS_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("BUFFERS_GRAPH_COLLECTIVES", "0")
+    monkeypatch.setenv("BUFFERS_BACKEND", "triton")
+    assert off.effective_cuda_graphs and not on.effective_graph_collectives
+    assert off.effective_backend == "triton"
+    monkeypatch.setenv("BUFFERS_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="BUFFERS_CUDA_GRAPHS='yes'"):
+        _ = on.effective_cuda_graphs
+    monkeypatch.setenv("BUFFERS_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="BUFFERS_BACKEND='cuda'"):
+        _ = on.effective_backend
+
+
+def test_graph_switches_follow_the_options(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert graphs.graphs_enabled(cuda, BufferOptions())
+    assert not graphs.graphs_enabled(cuda, BufferOptions(cuda_graphs=False))
+    assert not graphs._capture_allowed(cuda, BufferOptions(graph_collectives=False))
+    assert graphs._capture_allowed(cuda, BufferOptions())
+
+
+def test_the_backend_follows_the_options_per_choice(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(ops, "_CUDA_CACHE", {})
+    monkeypatch.setattr(ops, "_load_triton", lambda: "triton backend")
+    assert ops.backend_for(cuda, BufferOptions(backend="torch")).name == "torch"
+    assert ops.backend_for(cuda, BufferOptions()) == "triton backend"
+    assert ops.backend_for(torch.device("cpu"), BufferOptions(backend="triton")).name == "torch"
+
+
+def test_flat_grad_buffers_take_options():
+    p = torch.nn.Parameter(torch.randn(10))
+    fgb = FlatGradBuffers([p], options=BufferOptions(cuda_graphs=False))
+    assert fgb._norm_clip.options.cuda_graphs is False
+    assert fgb._norm_clip.replay.options is fgb.options
