@@ -239,9 +239,45 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("dtensor group", "megatron.core.utils:get_data_parallel_group_if_dtensor", "call",
           "the DTensors' data-parallel group", "as stock reduces over it",
           params=("tensor", "data_parallel_group")),
+    # -- Megatron-LM's training loop (megatron_ext.train; checked by check_deferred) -------
+    Entry("training args", "megatron.training.arguments:parse_and_validate_args", "wrap",
+          "adds --per-dtype-grad-buffers and --keep-in-fp32-params to the script's "
+          "extra_args_provider; once parsed, applies the training entries below if either is on",
+          "Megatron-LM's scripts parse their arguments before pretrain(), through this function",
+          since=(0, 19), params=("extra_args_provider", "ignore_unknown_args", "args_defaults")),
+    Entry("training DDP config", "megatron.training.training:DistributedDataParallelConfig",
+          "replace", "get_megatron_ddp_config(args) builds megatron_ext's config; its fields, "
+          "per_dtype_grad_buffers included, are read from the parsed arguments",
+          "the option is a DDP config field", since=(0, 19)),
+    Entry("training DDP", "megatron.training.models.dist_utils:DistributedDataParallel",
+          "replace", "model chunks are wrapped in megatron_ext.DistributedDataParallel",
+          "per-dtype buffers, layouts and fp32 islands are built by our DDP", since=(0, 19),
+          params=("config", "ddp_config", "module")),
+    Entry("training optimizer", "megatron.training.training:get_megatron_optimizer", "replace",
+          "setup_model_and_optimizer builds megatron_ext's optimizers; refuses chunks that "
+          "were not built by the training entries above", "flat norm, clip and zero count",
+          since=(0, 19), params=("config", "model_chunks")),
+    Entry("training fp32 islands", "megatron.training.models.dist_utils:_wrap_with_mp_wrapper",
+          "wrap", "marks parameters matching --keep-in-fp32-params, then wraps the chunks in "
+          "megatron_ext.Float16Module instead of megatron-core's",
+          "megatron-core's Float16Module casts every parameter to bf16/fp16", since=(0, 19),
+          params=("model_list", "transformer_config", "mixed_precision_wrapper")),
+    Entry("dataset helpers build", "megatron.core.datasets.utils:compile_helpers", "replace",
+          "skips `make` when megatron/core/datasets has no Makefile and the compiled helpers "
+          "import (the megatron-core wheel)", "the wheel ships helpers_cpp but no Makefile: "
+          "rank 0 exits at start-up (\"Failed to compile the C++ dataset helper functions\")",
+          since=(0, 19), params=()),
+    Entry("dataset helpers", "megatron.core.datasets.helpers_cpp:build_sample_idx_int64",
+          "read", "whether the compiled dataset helpers import",
+          "decides whether the build can be skipped", since=(0, 19), optional=True),
 )  # fmt: skip
 
 _BY_NAME = {e.name: e for e in ENTRIES}
+
+# Modules of Megatron-LM's training loop: their entries are checked by check_deferred() when
+# megatron_ext.train first uses them, not at import (importing megatron.training would pull
+# Megatron-LM's whole training stack into every `import megatron_ext`).
+DEFERRED = ("megatron.training.", "megatron.core.datasets.")
 
 
 def installed_version() -> tuple[int, ...]:
@@ -312,7 +348,28 @@ def check() -> tuple[int, ...]:
             f"{_version_text(high)}; the installed one is {_version_text(version)}. Install "
             "a supported megatron-core, or megatron_ext's release for yours."
         )
-    for entry in ENTRIES:
+    _check_entries([e for e in ENTRIES if not _deferred(e)], version)
+    return version
+
+
+@functools.cache
+def check_deferred() -> tuple[int, ...]:
+    """Check the entries :func:`check` leaves out (:data:`DEFERRED`); call before using them.
+
+    Returns the installed version. Raises :class:`MegatronCoreMismatchError` as
+    :func:`check` does.
+    """
+    version = check()
+    _check_entries([e for e in ENTRIES if _deferred(e)], version)
+    return version
+
+
+def _deferred(entry: Entry) -> bool:
+    return entry.target.startswith(DEFERRED)
+
+
+def _check_entries(entries: list[Entry], version: tuple[int, ...]) -> None:
+    for entry in entries:
         if not _applies(entry, version):
             continue
         problem = _problem(entry, version)
@@ -321,7 +378,6 @@ def check() -> tuple[int, ...]:
                 f"megatron_ext's touch point {entry.name!r} ({entry.how}: {entry.change}) "
                 f"does not hold on megatron-core {_version_text(version)}: {problem}"
             )
-    return version
 
 
 def target(name: str):
@@ -334,6 +390,20 @@ def target(name: str):
             f"megatron_ext's touch point {name!r} is unavailable on megatron-core "
             f"{_version_text(installed_version())}: {entry.target} is missing ({e})"
         ) from None
+
+
+def owner(name: str) -> tuple[object, str]:
+    """The object that holds entry ``name``'s target, and the attribute name there.
+
+    For entries that replace or wrap a binding: ``setattr(*owner(name), new)``.
+    """
+    entry = _BY_NAME[name]
+    module_name, _, qualname = entry.target.partition(":")
+    path, _, attr = qualname.rpartition(".")
+    obj = importlib.import_module(module_name)
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part)
+    return obj, attr
 
 
 def optional(name: str):

@@ -1,0 +1,443 @@
+"""Megatron-LM's training loop with per-dtype gradient buffers: two flags and an entry point.
+
+Run Megatron-LM's own launch script through this module and add the flags::
+
+    torchrun --nproc_per_node 8 -m megatron_ext.train pretrain_gpt.py ARGS... \\
+        --per-dtype-grad-buffers --keep-in-fp32-params 'layernorm\\.weight$,router'
+
+- ``--per-dtype-grad-buffers``: ``megatron.training`` builds megatron_ext's DDP config, DDP
+  and optimizers (flat, dtype-safe norm, clip and zero count; fp32 islands).
+- ``--keep-in-fp32-params PATTERN[,PATTERN...]``: parameters whose name (in each model
+  chunk's ``named_parameters()``, e.g. ``decoder.layers.0.input_layernorm.weight``) matches
+  one of these regular expressions (``re.search``) stay fp32 when the rest of the model is
+  cast to bf16/fp16. It works with or without the first flag (without it, megatron-core's
+  own DDP and optimizer get the fp32 parameters).
+
+Both flags are added to the script's parser through Megatron's ``extra_args_provider``.
+With neither flag, nothing of megatron-core or ``megatron.training`` is replaced: the run is
+stock. The one exception, flags or not: megatron-core's wheel ships the compiled dataset
+helpers but not their Makefile, and ``megatron.training`` runs ``make`` on rank 0 at
+start-up and exits when it fails; the entry point skips that build when the Makefile is
+absent and the compiled helpers import.
+
+What is replaced, and where, is in :mod:`megatron_ext.seam` (entries ``training args``,
+``training DDP config``, ``training DDP``, ``training optimizer``, ``training fp32
+islands``, ``dataset helpers build``); every replacement is undone when the script returns.
+A launcher of your own can call :func:`install` before it imports
+``parse_and_validate_args``, or pass :func:`add_arguments` as ``extra_args_provider`` and run
+``pretrain`` inside ``with enable(args):``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import runpy
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import seam
+from .config import DistributedDataParallelConfig
+from .ddp import DistributedDataParallel
+from .fp32 import Float16Module, mark_keep_in_fp32
+from .optimizer import get_megatron_optimizer
+
+FIRST_VERSION = (0, 19)  # pretrain(cfg_container, ...): the loop these entries patch
+
+
+class UnsupportedTrainingOptionError(ValueError):
+    """A flag of ours combined with a Megatron-LM feature that the option does not support."""
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Our two flags, read from Megatron's parsed arguments."""
+
+    per_dtype_grad_buffers: bool = False
+    keep_in_fp32_params: tuple[str, ...] = ()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainOptions:
+        return cls(
+            per_dtype_grad_buffers=bool(getattr(args, "per_dtype_grad_buffers", False)),
+            keep_in_fp32_params=tuple(getattr(args, "keep_in_fp32_params", None) or ()),
+        )
+
+    @property
+    def on(self) -> bool:
+        return self.per_dtype_grad_buffers or bool(self.keep_in_fp32_params)
+
+
+def split_patterns(text: str) -> list[str]:
+    """``"a,b{1,2}"`` -> ``["a", "b{1,2}"]``: split at commas outside ``()``, ``[]``, ``{}``.
+
+    Each pattern must compile as a Python regular expression; otherwise
+    ``argparse.ArgumentTypeError`` names it (argparse reports it as a usage error).
+    """
+    patterns, depth, start, i = [], 0, 0, 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth = max(depth - 1, 0)
+        elif c == "," and depth == 0:
+            patterns.append(text[start:i])
+            start = i + 1
+        i += 1
+    patterns.append(text[start:])
+    for p in patterns:
+        if not p:
+            raise argparse.ArgumentTypeError(f"empty pattern in {text!r}")
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise argparse.ArgumentTypeError(f"{p!r} is not a regular expression: {e}") from None
+    return patterns
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--per-dtype-grad-buffers`` and ``--keep-in-fp32-params``; an extra_args_provider."""
+    group = parser.add_argument_group("per-dtype gradient buffers (megatron_ext)")
+    group.add_argument(
+        "--per-dtype-grad-buffers",
+        action="store_true",
+        help="One flat gradient buffer per dtype (fp32 islands for fp32 parameters); norm, "
+        "clip and zero count with one fused launch per buffer (megatron_ext).",
+    )
+    group.add_argument(
+        "--keep-in-fp32-params",
+        type=split_patterns,
+        action="extend",
+        default=[],
+        metavar="PATTERN[,PATTERN...]",
+        help="Keep parameters whose name matches one of these regular expressions (re.search "
+        "on each model chunk's named_parameters()) in fp32 when the model is cast to "
+        "bf16/fp16. May be given several times.",
+    )
+    return parser
+
+
+def mark_matching(module: torch.nn.Module, patterns: Iterable[str]) -> list[str]:
+    """Mark every parameter of ``module`` whose name matches a pattern; return their names."""
+    compiled = [re.compile(p) for p in patterns]
+    names = []
+    for name, param in module.named_parameters():
+        if any(c.search(name) for c in compiled):
+            mark_keep_in_fp32(param)
+            names.append(name)
+    return names
+
+
+def check_supported(args: argparse.Namespace) -> None:
+    """Refuse, before anything is built, what ``--per-dtype-grad-buffers`` does not support."""
+    problems = []
+    if getattr(args, "use_torch_fsdp2", False):
+        problems.append("--use-torch-fsdp2 (torch FSDP2)")
+    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_custom_fsdp", False):
+        problems.append("--use-megatron-fsdp (Megatron-FSDP)")
+    instances = getattr(args, "num_distributed_optimizer_instances", 1)
+    if instances != 1:
+        problems.append(f"--num-distributed-optimizer-instances {instances}")
+    optimizer = getattr(args, "optimizer", "adam")
+    if optimizer not in ("adam", "sgd") or getattr(
+        args, "use_layer_wise_distributed_optimizer", False
+    ):
+        problems.append(f"--optimizer {optimizer} (layer-wise / emerging optimizers)")
+    if problems:
+        raise UnsupportedTrainingOptionError(
+            "--per-dtype-grad-buffers does not support " + "; ".join(problems) + ". It works "
+            "with megatron-core's DDP and its distributed (or Float16/FP32) optimizer with "
+            "adam or sgd, precision-aware or not, with or without CPU offload. Drop "
+            "--per-dtype-grad-buffers or the options named here."
+        )
+
+
+class TrainingPatches:
+    """The seam entries one run has replaced; :meth:`remove` (or the with-block) restores them."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[str, object, str, object]] = []
+
+    @property
+    def applied(self) -> tuple[str, ...]:
+        """Names of the seam entries replaced, in the order they were."""
+        return tuple(name for name, *_ in self._saved)
+
+    def replace(self, name: str, new: object) -> None:
+        """Point entry ``name``'s binding at ``new`` (:func:`megatron_ext.seam.owner`)."""
+        owner, attr = seam.owner(name)
+        self._saved.append((name, owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, new)
+
+    def adopt(self, other: TrainingPatches) -> None:
+        """Take over ``other``'s replacements: :meth:`remove` undoes them too (first)."""
+        self._saved += other._saved
+        other._saved = []
+
+    def remove(self) -> None:
+        """Restore every binding, last replaced first."""
+        while self._saved:
+            _name, owner, attr, old = self._saved.pop()
+            setattr(owner, attr, old)
+
+    def __enter__(self) -> TrainingPatches:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def enable(args: argparse.Namespace) -> TrainingPatches:
+    """Make ``megatron.training`` build what the parsed flags ask for; nothing when both are off.
+
+    Call it after Megatron has parsed ``args`` (with :func:`add_arguments`) and before the
+    script builds its config container (``pretrain_cfg_container_from_args``), which builds
+    the DDP config. With ``--per-dtype-grad-buffers``: the DDP config class, the DDP class
+    and ``get_megatron_optimizer`` of ``megatron.training`` become megatron_ext's. With
+    ``--keep-in-fp32-params``: matching parameters are marked when the model chunks are
+    wrapped for mixed precision, and megatron_ext's ``Float16Module`` keeps them fp32.
+
+    Raises:
+        UnsupportedTrainingOptionError: a combination the option does not support.
+        MegatronCoreMismatchError: megatron-core's training loop is not one we patch.
+    """
+    options = TrainOptions.from_args(args)
+    patches = TrainingPatches()
+    if not options.on:
+        return patches
+    _check_training_loop()
+    if options.per_dtype_grad_buffers:
+        check_supported(args)
+    built = _BuildRecord()
+    if options.per_dtype_grad_buffers:
+        patches.replace("training DDP config", DistributedDataParallelConfig)
+        patches.replace("training DDP", DistributedDataParallel)
+    if options.keep_in_fp32_params:
+        original = seam.target("training fp32 islands")
+        patches.replace(
+            "training fp32 islands", _keeping_fp32(original, options.keep_in_fp32_params, built)
+        )
+    patches.replace("training optimizer", _checked_optimizer(options, built))
+    _print_rank_0(
+        f"> megatron_ext.train: {_describe(options)}; replaced {', '.join(patches.applied)} "
+        "(megatron_ext.seam)"
+    )
+    return patches
+
+
+def install() -> TrainingPatches:
+    """What the entry point does before it runs the script: flags in the parser, helpers build.
+
+    Wraps ``megatron.training.arguments.parse_and_validate_args`` so the script's parser
+    knows our flags and, once it has parsed them, :func:`enable` applies what they ask for;
+    skips the dataset helpers' ``make`` where megatron-core has no Makefile but the compiled
+    helpers import. Call it before the script imports ``parse_and_validate_args``;
+    ``remove()`` the result (it also undoes what :func:`enable` applied).
+    """
+    _check_training_loop()
+    parse = seam.target("training args")
+    if getattr(parse, "__wrapped_by_megatron_ext__", False):
+        raise RuntimeError("megatron_ext.train.install() is already in effect")
+    patches = TrainingPatches()
+    patches.replace("dataset helpers build", _unless_prebuilt(seam.target("dataset helpers build")))
+    patches.replace("training args", _parse_then_enable(parse, patches))
+    return patches
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m megatron_ext.train SCRIPT ARGS...``: run SCRIPT as ``__main__``, installed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: python -m megatron_ext.train SCRIPT [ARGS...]   (e.g. pretrain_gpt.py; "
+            "SCRIPT is looked up under $MEGATRON_LM_PATH too)\n"
+            "adds --per-dtype-grad-buffers and --keep-in-fp32-params PATTERN[,PATTERN...] "
+            "to SCRIPT's arguments"
+        )
+        raise SystemExit(0 if argv else 2)
+    script = find_script(argv[0])
+    sys.argv = [str(script), *argv[1:]]
+    sys.path.insert(0, str(script.parent))  # as `python SCRIPT` does: its sibling modules
+    patches = install()
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        patches.remove()
+
+
+def find_script(name: str) -> Path:
+    """``name`` as given, else under ``$MEGATRON_LM_PATH``; a clear error when neither exists."""
+    candidates = [Path(name)]
+    root = os.environ.get("MEGATRON_LM_PATH")
+    if root:
+        candidates.append(Path(root) / name)
+    for path in candidates:
+        if path.is_file():
+            return path.resolve()
+    where = f" nor under MEGATRON_LM_PATH={root}" if root else " (MEGATRON_LM_PATH is not set)"
+    raise SystemExit(
+        f"megatron_ext.train: {name} not found{where}. Megatron-LM's launch scripts are not in "
+        "the megatron-core wheel: take them from a Megatron-LM checkout at the tag matching "
+        "your megatron-core (scripts/fetch_megatron_lm.sh) and set MEGATRON_LM_PATH."
+    )
+
+
+# -- the replacements ---------------------------------------------------------------------
+
+
+class _BuildRecord:
+    """What the replaced build steps saw, so the optimizer step can tell whether they ran."""
+
+    def __init__(self) -> None:
+        self.wrapped_chunks = 0
+        self.marked: list[str] = []
+
+
+def _keeping_fp32(original: Callable, patterns: tuple[str, ...], built: _BuildRecord):
+    stock_wrapper = seam.target("Float16Module")
+
+    def wrap_with_mp_wrapper(model_list, transformer_config, mixed_precision_wrapper=None):
+        marked = [name for chunk in model_list for name in mark_matching(chunk, patterns)]
+        if mixed_precision_wrapper is stock_wrapper:
+            mixed_precision_wrapper = Float16Module
+        elif mixed_precision_wrapper is not None and marked:
+            raise UnsupportedTrainingOptionError(
+                "--keep-in-fp32-params needs megatron-core's Float16Module as the mixed-"
+                f"precision wrapper; this model uses {mixed_precision_wrapper!r}"
+            )
+        built.wrapped_chunks += len(model_list)
+        built.marked += marked
+        _check_every_pattern_matched(patterns, marked, model_list, transformer_config)
+        _print_rank_0(
+            f"> megatron_ext.train: keeping {len(marked)} parameters in fp32 "
+            f"(--keep-in-fp32-params): {', '.join(marked)}"
+        )
+        return original(model_list, transformer_config, mixed_precision_wrapper)
+
+    return wrap_with_mp_wrapper
+
+
+def _check_every_pattern_matched(patterns, marked, model_list, transformer_config) -> None:
+    # With pipeline parallelism a stage may hold none of a pattern's parameters (e.g. the
+    # final layernorm), so only a single-stage model can tell a pattern that matches nothing.
+    if getattr(transformer_config, "pipeline_model_parallel_size", 1) != 1:
+        return
+    unmatched = [p for p in patterns if not any(re.search(p, n) for n in marked)]
+    if unmatched:
+        example = next((n for chunk in model_list for n, _ in chunk.named_parameters()), "")
+        raise UnsupportedTrainingOptionError(
+            f"--keep-in-fp32-params: {', '.join(map(repr, unmatched))} matches no parameter; "
+            f"names look like {example!r} (re.search on named_parameters())"
+        )
+
+
+def _checked_optimizer(options: TrainOptions, built: _BuildRecord):
+    stock = seam.target("training optimizer")
+
+    def build_optimizer(config, model_chunks, *args, **kwargs):
+        if options.keep_in_fp32_params and built.wrapped_chunks == 0:
+            raise UnsupportedTrainingOptionError(
+                "--keep-in-fp32-params: the model was not built through megatron.training's "
+                "model builders (a ModelConfig, as pretrain_gpt.py passes at core_v0.19), so "
+                "no parameter was marked; megatron_ext.train does not patch the model_provider "
+                "path (megatron.training.get_model)"
+            )
+        if not options.per_dtype_grad_buffers:
+            return stock(config, model_chunks, *args, **kwargs)
+        others = sorted({type(m).__name__ for m in model_chunks if not _has_option_on(m)})
+        if others:
+            raise UnsupportedTrainingOptionError(
+                f"--per-dtype-grad-buffers: model chunks of type {', '.join(others)} were not "
+                "wrapped in megatron_ext.DistributedDataParallel (megatron_ext.train patches "
+                "megatron.training's model builders, not the model_provider path)"
+            )
+        return get_megatron_optimizer(config, model_chunks, *args, **kwargs)
+
+    return build_optimizer
+
+
+def _has_option_on(chunk) -> bool:
+    return bool(getattr(chunk, "per_dtype_grad_buffers", False))
+
+
+def _parse_then_enable(parse: Callable, patches: TrainingPatches):
+    def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
+                                args_defaults=None):  # fmt: skip
+        def provider(parser):
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return add_arguments(parser)
+
+        args = parse(
+            extra_args_provider=provider,
+            ignore_unknown_args=ignore_unknown_args,
+            args_defaults={} if args_defaults is None else args_defaults,
+        )
+        if not enabled:  # a second parse (none in Megatron-LM's scripts) changes nothing
+            enabled.append(True)
+            patches.adopt(enable(args))
+        return args
+
+    enabled: list[bool] = []
+    parse_and_validate_args.__wrapped_by_megatron_ext__ = True
+    return parse_and_validate_args
+
+
+def _unless_prebuilt(original: Callable):
+    datasets = Path(inspect.getfile(original)).parent
+
+    def compile_helpers():
+        if not (datasets / "Makefile").exists() and seam.optional("dataset helpers") is not None:
+            print(
+                "> megatron_ext.train: megatron-core has no dataset Makefile (a wheel) and its "
+                "compiled helpers import: skipping `make`",
+                flush=True,
+            )
+            return None
+        return original()
+
+    return compile_helpers
+
+
+def _check_training_loop() -> None:
+    version = seam.check_deferred()
+    if version[:2] < FIRST_VERSION:
+        raise seam.MegatronCoreMismatchError(
+            "megatron_ext.train patches the training loop of megatron-core >= "
+            f"{'.'.join(map(str, FIRST_VERSION))} (pretrain(cfg_container, ...)); the "
+            f"installed one is {'.'.join(map(str, version))}"
+        )
+
+
+def _describe(options: TrainOptions) -> str:
+    parts = []
+    if options.per_dtype_grad_buffers:
+        parts.append("--per-dtype-grad-buffers")
+    if options.keep_in_fp32_params:
+        parts.append(f"--keep-in-fp32-params {','.join(options.keep_in_fp32_params)}")
+    return " ".join(parts)
+
+
+def _print_rank_0(text: str) -> None:
+    if torch.distributed.is_initialized():
+        rank = torch.distributed.get_rank()
+    else:
+        rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(text, flush=True)
+
+
+if __name__ == "__main__":
+    from megatron_ext.train import main as _main  # one copy of this module's state
+
+    _main()
