@@ -111,7 +111,7 @@ def run(args, device: torch.device) -> list[dict]:
     records = []
     # One set of parameters, buffers and optimizer for every row, as in training: timing
     # each row on objects built after the previous row's were freed added about 1.7 ms to
-    # a 10 ms step on the H200 (scripts/probe_clip_step.py, run 25), which the earlier
+    # a 10 ms step on the H200 (a probe, run 25; in the git history), which the earlier
     # tables took for a cost of the clip.
     try:
         shared = build(inv, device)

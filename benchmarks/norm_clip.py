@@ -192,7 +192,7 @@ def measure_host(
 
     Each round times every op (``reps / HOST_ROUNDS`` calls each, device drained before
     each call), so a moment when the machine is slow (seen on the test machine: one row's
-    median doubling in one round only, ``scripts/probe_host.py models``) is spread over all
+    median doubling in one round only) is spread over all
     ops instead of landing on whichever row was measured then. Median and p10/p90 over all
     rounds' calls. ``burst``: also the host time per call issued back to back (graph replays
     only), :data:`BURSTS_PER_ROUND` bursts per op per round, median over all of them.
