@@ -214,34 +214,57 @@ def test_help_gives_every_options_meaning_and_default(name, monkeypatch):
         assert action.help and "default" in action.help, (name, action.option_strings)
 
 
+# Runs each file as ``python path/to/benchmarks/X.py --help`` would (as __main__, from another
+# directory, the repository not on sys.path), one after another in one interpreter: one
+# start-up of torch and megatron-core instead of one per file.
+RUN_EACH_AS_MAIN = """
+import contextlib, io, json, runpy, sys
+files, results = sys.argv[1:], {}
+for path in files:
+    saved_path, saved_modules = list(sys.path), set(sys.modules)
+    sys.argv = [path, "--help"]
+    out, err, code = io.StringIO(), io.StringIO(), None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+    results[path] = {"code": code, "out": out.getvalue(), "err": err.getvalue()}
+    sys.path[:] = saved_path  # the next file must find the repository by itself again
+    for name in set(sys.modules) - saved_modules:
+        if name == "benchmarks" or name.startswith("benchmarks."):
+            del sys.modules[name]
+print(json.dumps(results))
+"""
+
+
 def test_scripts_run_from_elsewhere_and_helpers_say_what_to_run(tmp_path):
-    """``python /path/to/benchmarks/X.py --help`` from another directory, all at once."""
     import os
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONWARNINGS")}
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--help"],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name in SCRIPTS + HELPERS
-    }
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
+    paths = {name: str(ROOT / "benchmarks" / f"{name}.py") for name in SCRIPTS + HELPERS}
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_EACH_AS_MAIN, *paths.values()],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for notice in NOTICES:  # megatron-core's harmless notices stay hidden
+        assert notice not in proc.stderr, proc.stderr
+    results = json.loads(proc.stdout)
+    for name, path in paths.items():
+        got = results[path]
         if name in SCRIPTS:
-            assert proc.returncode == 0, (name, err)
-            assert out.startswith("usage:") and "--out OUT" in out, name
-            for notice in NOTICES:  # megatron-core's harmless notices stay hidden
-                assert notice not in err, (name, err)
-        else:
-            assert proc.returncode == 1, (name, out, err)
-            assert f"benchmarks/{name}.py is a helper module of" in err, (name, err)
-            assert "--help" in err
+            assert got["code"] == 0, (name, got["err"])
+            assert got["out"].startswith("usage:") and "--out OUT" in got["out"], name
+        else:  # a message, exit status 1
+            assert isinstance(got["code"], str), (name, got)
+            assert f"benchmarks/{name}.py is a helper module of" in got["code"], name
+            assert "--help" in got["code"]
     assert list(tmp_path.iterdir()) == []  # --help writes nothing
 
 
