@@ -48,7 +48,7 @@ import torch
 from benchmarks import common, inventories, memory
 from benchmarks.inventories import Inventory
 from buffers.spans import Span, dp_shard_spans, intersect_spans, merge_spans
-from megatron_ext import offload
+from megatron_ext import host_mirror, offload_plan
 
 NAME = "offload"
 VARIANTS = ("per_param", "flat")
@@ -201,8 +201,8 @@ class Flat:
     def __init__(self, buffers: list[ShardBuffer], pin: bool):
         self.mirrors, self.cpu_params = [], []
         for buf in buffers:
-            layout = offload.mirror_layout(buf.owned, buf.offloaded, buf.resident)
-            m = offload.build_buffer_mirror(
+            layout = offload_plan.mirror_layout(buf.owned, buf.offloaded, buf.resident)
+            m = host_mirror.build_buffer_mirror(
                 buf.name, layout, owned_numel=sum(s.numel for s in buf.owned), grads=buf.grad,
                 grads_coords=None, params=buf.param, params_coords=None,
                 cpu_dtype=torch.float32, pin=pin,
@@ -308,7 +308,7 @@ def run(args, device: torch.device) -> list[dict]:
             rec |= measure(variant, buffers, device, warmup, reps)
             if inv.name not in ceilings:
                 flat_bytes = sum(
-                    offload.mirror_layout(b.owned, b.offloaded, b.resident).numel
+                    offload_plan.mirror_layout(b.owned, b.offloaded, b.resident).numel
                     * b.grad.element_size()
                     for b in buffers
                 )

@@ -1,0 +1,150 @@
+"""CPU offload through host mirrors, the tensors: one pinned staging tensor per buffer and
+the per-block copies between it and the device, built once (:mod:`megatron_ext.offload`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from buffers.spans import Span, to_local
+
+from .offload_plan import MirrorLayout, itemsize
+
+
+@dataclass
+class HostBlock:
+    """One block's four copies, as (destination, source) views built once."""
+
+    d2h: tuple[torch.Tensor, torch.Tensor]  # staging (gradient dtype) <- device gradients
+    convert: tuple[torch.Tensor, torch.Tensor] | None  # CPU-dtype gradients <- staging
+    pack: tuple[torch.Tensor, torch.Tensor]  # staging (device parameter dtype) <- host params
+    h2d: tuple[torch.Tensor, torch.Tensor]  # device parameters <- staging
+
+    def start_d2h(self) -> None:
+        dst, src = self.d2h
+        dst.copy_(src, non_blocking=True)
+
+    def convert_grads(self) -> None:
+        if self.convert is not None:
+            dst, src = self.convert
+            dst.copy_(src)
+
+    def pack_params(self) -> None:
+        dst, src = self.pack
+        dst.copy_(src)
+
+    def start_h2d(self) -> None:
+        dst, src = self.h2d
+        dst.copy_(src, non_blocking=True)
+
+
+@dataclass
+class BufferMirror:
+    """The host side of one flat buffer's offloaded shard."""
+
+    name: str
+    layout: MirrorLayout
+    staging: torch.Tensor  # uint8: the one pinned allocation; gradients in, parameters out
+    host_params: torch.Tensor  # the CPU optimizer's parameters (CPU dtype), laid out as layout
+    cpu_grads: torch.Tensor  # the CPU optimizer's gradients: staging itself, or converted
+    blocks: list[HostBlock]
+    owned_numel: int  # elements of this rank's shard of the buffer
+    grads_dtype: torch.dtype  # dtype of what moves device-to-host
+    params_dtype: torch.dtype  # dtype of what moves host-to-device
+    device_params: torch.Tensor | None = None  # flat device parameters, when built here
+
+    def cpu_views(self, span: Span) -> tuple[torch.Tensor, torch.Tensor]:
+        """(parameter, gradient) host views of buffer elements ``span``."""
+        s = self.layout.local(span)
+        return self.host_params[s.start : s.end], self.cpu_grads[s.start : s.end]
+
+    def load_params(self) -> None:
+        """Fill the host parameters from the device (blocking; at construction)."""
+        for block in self.blocks:
+            device, _ = block.h2d
+            _, host = block.pack
+            host.copy_(device)
+
+    def stats(self) -> dict:
+        """Sizes: blocks, pinned and host bytes, bytes each way per step, owned bytes."""
+        storage = self.cpu_grads.untyped_storage().data_ptr()
+        converted = storage != self.staging.untyped_storage().data_ptr()
+        return {
+            "buffer": self.name,
+            "blocks": len(self.blocks),
+            "owned_bytes": self.owned_numel * itemsize(self.grads_dtype),
+            "staging_bytes": self.staging.numel(),
+            "pinned": self.staging.is_pinned(),
+            "host_param_bytes": self.host_params.numel() * self.host_params.element_size(),
+            "host_grad_bytes": self.cpu_grads.numel() * self.cpu_grads.element_size()
+            if converted
+            else 0,
+            "d2h_bytes": self.layout.numel * itemsize(self.grads_dtype),
+            "h2d_bytes": self.layout.numel * itemsize(self.params_dtype),
+            "grads_dtype": self.grads_dtype,
+            "params_dtype": self.params_dtype,
+        }
+
+
+def _device_view(t: torch.Tensor, span: Span, coords: Sequence[Span] | None) -> torch.Tensor:
+    if coords is None:
+        return t[span.start : span.end]
+    local = to_local([span], coords)
+    if len(local) != 1 or local[0].numel != span.numel:
+        raise ValueError(f"{span} is not one contiguous run of {coords}")
+    return t[local[0].start : local[0].end]
+
+
+def build_buffer_mirror(
+    name: str,
+    layout: MirrorLayout,
+    *,
+    owned_numel: int,
+    grads: torch.Tensor,
+    grads_coords: Sequence[Span] | None,
+    params: torch.Tensor,
+    params_coords: Sequence[Span] | None,
+    cpu_dtype: torch.dtype,
+    pin: bool,
+) -> BufferMirror:
+    """Allocate one buffer's host mirror and build its per-block copies.
+
+    Args:
+        name: the buffer's readable name.
+        layout: its blocks.
+        owned_numel: elements of this rank's shard of the buffer (for the report).
+        grads: the device tensor holding the gradients the optimizer reads.
+        grads_coords: None when ``grads`` is in buffer coordinates; else the spans laid end
+            to end in it (an fp32 mirror of the owned ranges, say).
+        params: the device tensor the updated parameters go back to.
+        params_coords: as ``grads_coords``, for ``params``.
+        cpu_dtype: the CPU optimizer's parameter dtype.
+        pin: allocate the staging tensor in pinned memory (needs CUDA).
+
+    Returns:
+        The :class:`BufferMirror`.
+    """
+    width = max(itemsize(grads.dtype), itemsize(params.dtype))
+    staging = torch.zeros(layout.numel * width, dtype=torch.uint8, pin_memory=pin)
+    host_params = torch.zeros(layout.numel, dtype=cpu_dtype)
+    in_place = grads.dtype == cpu_dtype and itemsize(cpu_dtype) == width
+    cpu_grads = staging.view(cpu_dtype) if in_place else torch.zeros(layout.numel, dtype=cpu_dtype)
+    blocks = []
+    for span, off in zip(layout.blocks, layout.offsets, strict=True):
+        base, n = off * width, span.numel
+        grad_stage = staging[base : base + n * grads.element_size()].view(grads.dtype)
+        param_stage = staging[base : base + n * params.element_size()].view(params.dtype)
+        blocks.append(
+            HostBlock(
+                d2h=(grad_stage, _device_view(grads, span, grads_coords)),
+                convert=None if in_place else (cpu_grads[off : off + n], grad_stage),
+                pack=(param_stage, host_params[off : off + n]),
+                h2d=(_device_view(params, span, params_coords), param_stage),
+            )
+        )
+    return BufferMirror(
+        name, layout, staging, host_params, cpu_grads, blocks, owned_numel, grads.dtype,
+        params.dtype,
+    )  # fmt: skip
