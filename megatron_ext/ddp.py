@@ -127,15 +127,20 @@ def param_flags(p: torch.Tensor, tp_group=None, expert_tp_group=None) -> dict:
     ``tp_group`` / ``expert_tp_group`` are the groups the optimizer was built with
     (megatron-core sets them from ``pg_collection`` as ``optimizer.tp_group`` and
     ``optimizer.expert_tp_group``). Expert parameters use ``expert_tp_group``; given
-    ``tp_group`` alone, they have no rank and :func:`~megatron_ext.spans.exclusion_reason`
-    refuses them (megatron-core would fall back to the dense TP rank: the published ETP !=
-    TP undercount). Without groups, megatron-core's global parallel state when it is
-    initialised; with neither, only a single-process job is accepted (any other would count
-    every tensor-parallel duplicate on every rank).
+    ``tp_group`` alone (megatron-core 0.18 sets no expert group), the expert tensor-parallel
+    rank of megatron-core's parallel state, and without that none:
+    :func:`~megatron_ext.spans.exclusion_reason` refuses them (falling back to the dense TP
+    rank, as megatron-core 0.18 does, is the published ETP != TP undercount). Without
+    groups, megatron-core's global parallel state when it is initialised; with neither, only
+    a single-process job is accepted (any other would count every tensor-parallel duplicate
+    on every rank).
     """
     if tp_group is not None:
         tp_rank = tp_group.rank()
-        expert_tp_rank = None if expert_tp_group is None else expert_tp_group.rank()
+        if expert_tp_group is not None:
+            expert_tp_rank = expert_tp_group.rank()
+        else:  # megatron-core 0.18 gives its optimizers no expert_tp_group
+            expert_tp_rank = _global_expert_tp_rank()
     elif expert_tp_group is not None:
         raise ValueError("expert_tp_group given without tp_group; pass both (pg_collection)")
     else:
@@ -148,6 +153,11 @@ def param_flags(p: torch.Tensor, tp_group=None, expert_tp_group=None) -> dict:
         "expert_tp_rank": expert_tp_rank,
         "gtp_duplicate": _is_gtp_duplicate(p),
     }
+
+
+def _global_expert_tp_rank() -> int | None:
+    ps = seam.target("parallel state")
+    return ps.get_expert_tensor_parallel_rank() if ps.model_parallel_is_initialized() else None
 
 
 def _global_tp_ranks() -> tuple[int, int]:

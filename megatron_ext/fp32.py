@@ -15,7 +15,10 @@ def mark_keep_in_fp32(param: torch.nn.Parameter) -> torch.nn.Parameter:
     """Mark ``param`` to stay fp32 (sets ``param.keep_in_fp32 = True``) and return it."""
     if not isinstance(param, torch.Tensor) or not param.is_floating_point():
         raise TypeError(f"mark_keep_in_fp32 needs a floating-point parameter, got {type(param)}")
-    param.keep_in_fp32 = True
+    upstream = seam.optional("upstream mark_keep_in_fp32")  # Megatron-LM main (#5929)
+    if upstream is not None:
+        upstream(param)
+    param.keep_in_fp32 = True  # the attribute upstream sets too
     return param
 
 

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 # The megatron-core versions this library was tested on (the README's Versions section and
 # pyproject.toml say the same): from the first through the last, inclusive of their
 # patch releases and local builds (Megatron-LM main reports the next version's number).
-SUPPORTED = ((0, 18), (0, 20))  # >= 0.18, < 0.20 (main: 0.20 pre-releases, see README)
+# The first and last megatron-core versions tested, both inclusive (pyproject.toml pins the
+# same): 0.18.2, 0.19.0 and 0.19.2 from PyPI, and Megatron-LM main at the commit in
+# scripts/mcore_main.sha, which reports 0.20.0. Local build suffixes (+sha) are ignored.
+SUPPORTED = ((0, 18, 2), (0, 20, 0))
 
 
 class MegatronCoreMismatchError(ImportError):
@@ -192,6 +195,11 @@ ENTRIES: tuple[Entry, ...] = (
           "the globally consistent flag behind that refusal", "as above",
           since=(0, 19), params=("grad_norm_group",), optional=True),
     # -- ownership rules -------------------------------------------------------------------
+    Entry("upstream mark_keep_in_fp32", "megatron.core.transformer.module:mark_keep_in_fp32",
+          "call", "megatron_ext.mark_keep_in_fp32 marks through it where it exists",
+          "one marking: a parameter marked either way gets an fp32 island (same attribute, "
+          "keep_in_fp32)", "NVIDIA/Megatron-LM#5929", since=(0, 20), params=("tensor",),
+          optional=True),
     Entry("GTP duplicate rule", "megatron.core.tensor_parallel.layers:param_is_not_gtp_duplicate",
           "call", "excludes GTP-remat duplicates from the norm, as stock does",
           "counted once across the GTP-remat axis", since=(0, 19), params=("param",),
@@ -342,9 +350,9 @@ def check() -> tuple[int, ...]:
     """
     version = installed_version()
     low, high = SUPPORTED
-    if not low <= version[:2] < high:
+    if not low <= version[:3] <= high:
         raise MegatronCoreMismatchError(
-            f"megatron_ext supports megatron-core >= {_version_text(low)}, < "
+            f"megatron_ext supports megatron-core >= {_version_text(low)}, <= "
             f"{_version_text(high)}; the installed one is {_version_text(version)}. Install "
             "a supported megatron-core, or megatron_ext's release for yours."
         )

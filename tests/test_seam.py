@@ -21,18 +21,20 @@ def fresh_check():
 
 def test_the_installed_version_passes_every_entry():
     version = fresh_check()
-    assert seam.SUPPORTED[0] <= version[:2] < seam.SUPPORTED[1]
+    assert seam.SUPPORTED[0] <= version[:3] <= seam.SUPPORTED[1]
     assert seam.parse_version("0.19.2+138362d") == (0, 19, 2)
     assert seam.parse_version("0.20.0rc0") == (0, 20, 0)
     assert seam.parse_version("0.18.2") == (0, 18, 2)
 
 
 def test_a_version_out_of_range_is_one_clear_error(monkeypatch):
-    monkeypatch.setattr(seam, "installed_version", lambda: (0, 17, 4))
-    with pytest.raises(
-        seam.MegatronCoreMismatchError, match=r">= 0\.18.*installed one is 0\.17\.4"
-    ):
-        fresh_check()
+    for version, pattern in [
+        ((0, 18, 0), r">= 0\.18\.2, <= 0\.20\.0; the installed one is 0\.18\.0"),
+        ((0, 20, 1), r">= 0\.18\.2, <= 0\.20\.0; the installed one is 0\.20\.1"),
+    ]:
+        monkeypatch.setattr(seam, "installed_version", lambda v=version: v)
+        with pytest.raises(seam.MegatronCoreMismatchError, match=pattern):
+            fresh_check()
 
 
 def test_a_missing_target_names_the_entry_and_the_version(monkeypatch):
