@@ -52,8 +52,10 @@ GPT = flags(
 # an fp32 weight; a torch LayerNorm on CUDA would not), with CPU offload of the optimizer.
 ISLANDS = flags(
     r"--num-experts 4 --moe-router-topk 2 --moe-router-dtype fp32 "
-    r"--keep-in-fp32-params router\.weight$"
-)
+    r"--keep-in-fp32-params router\.weight$ --disable-bias-linear"
+)  # no biases: megatron-core 0.19.2's local experts add theirs in place on an autograd view
+# ("Output 0 of _ReduceFromModelParallelRegionBackward is a view and is being modified
+# inplace", mlp.py, with the option on or off; seen on the H200, run 33)
 OFFLOAD = flags(
     "--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 1.0"
 )
@@ -74,6 +76,7 @@ class Run:
 
 
 def launch(tmp: Path, ranks: int, iters: int, *flags: str) -> Run:
+    tmp.mkdir(parents=True, exist_ok=True)
     record = tmp / "record"
     env = dict(os.environ)
     paths = [str(ROOT), env.get("PYTHONPATH", "")]
