@@ -237,10 +237,17 @@ class NormClip:
         sources = [v for g in self.norm_groups + self.scale_groups for v in g]
         self.replay = GraphReplayer(device, sources, options)
         # Fixed inputs of the captured sequences: values are written before each replay.
-        self._norm_in = torch.zeros((), dtype=torch.float32, device=device)
-        self._stat_in = torch.zeros((), dtype=torch.float32, device=device)
+        # In the stat's dtype: fp64 when any norm view is fp64 (ops.local_power_stat), so a
+        # given or reduced norm keeps fp64's range and max_norm its precision.
+        stat = (
+            torch.float64
+            if any(v.dtype == torch.float64 for g in norm_groups for v in g)
+            else torch.float32
+        )
+        self._norm_in = torch.zeros((), dtype=stat, device=device)
+        self._stat_in = torch.zeros((), dtype=stat, device=device)
+        self._max_in = torch.zeros((), dtype=stat, device=device)
         self.inverse_coeff = torch.ones((), dtype=torch.float32, device=device)
-        self._max_in = torch.zeros((), dtype=torch.float32, device=device)
         self._max_value: float | None = None
         ops.prepare_groups(self.norm_groups + self.scale_groups, options)
 

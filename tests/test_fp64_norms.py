@@ -112,14 +112,6 @@ def test_ranks_with_and_without_fp64_reduce_together(tmp_path):
     assert res[1]["inf"].item() == pytest.approx(want[math.inf], rel=1e-6)
 
 
-GRAPHS_FP32 = pytest.mark.xfail(
-    strict=True,
-    reason="buffers/graphs.py NormClip carries a given norm (_norm_in) and a reduced stat "
-    "(_stat_in) in fp32 tensors: fp64 norms beyond fp32's range become inf there and the "
-    "clip zeroes the gradients (graphs.py is another issue's; see the issue 19 report)",
-)
-
-
 @pytest.fixture
 def one_rank_gloo(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -127,9 +119,8 @@ def one_rank_gloo(tmp_path):
     dist.destroy_process_group()
 
 
-@GRAPHS_FP32
 @pytest.mark.parametrize("how", ["error_if_nonfinite", "group"])
-def test_clip_paths_through_fixed_fp32_tensors(request, how):
+def test_clip_given_or_reduced_norm_keeps_fp64(request, how):
     params, grads = fp64_params(1e100, seed=7)
     fgb = build(params, grads)
     kwargs = {"error_if_nonfinite": True}
