@@ -7,8 +7,12 @@ stage (every expert's fc1/fc2 a separate parameter, fp32 routers, hyper-connecti
 and attention sinks) and a series of 80 to 10,000 fp32 parameters holding fixed total bytes
 (host cost against parameter count). Ops: ``norm``; ``clip`` (a whole ``clip_grad_norm_``:
 the norm, then a scale with the coefficient below 1 on every call); ``clip_noop`` (the same
-with the coefficient clamped to 1). Gradients are random (seeded) in their dtype; the norm
-is compared with an fp64 reference of the same values.
+with the coefficient clamped to 1); ``per_param`` (every parameter's L2 norm as one device
+vector: flat's ``grad_norm(per_param=True)``, one segmented pass per buffer, against torch's
+``torch._foreach_norm`` + stack (the ``torch`` row), the same per dtype group
+(``upstream_fix``) and a per-parameter ``vector_norm`` loop as forks that log per-layer norms
+do (``megatron``); its ``norm`` is the L2 norm of that vector). Gradients are random
+(seeded) in their dtype; the norm is compared with an fp64 reference of the same values.
 
 Floors, from the copy bandwidth measured in the same run (read + write bytes per second):
 ``norm`` and ``clip_noop`` read every byte once (``bytes / bandwidth``); ``clip`` reads every
@@ -23,7 +27,8 @@ interleave a variant's ops), host_time_p10_s, host_time_p90_s, host_time_burst_s
 rows only: median over 15 bursts, 3 per round, of the mean host seconds per call when 20
 calls are issued back to back), bandwidth_Bps,
 floor_s, ratio (time_s / floor_s), host_syncs (null on the CPU), norm, norm_ref (fp64),
-rel_err, note, error, error_at``; and DIR/norm_clip.png.
+rel_err, per_param_rel_err (``per_param`` rows: the largest relative error of one
+parameter's norm against its fp64 norm), note, error, error_at``; and DIR/norm_clip.png.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ OPS: dict[str, tuple[float | None, int]] = {
     "norm": (None, 1),
     "clip": (0.0, 3),
     "clip_noop": (1e30, 1),
+    "per_param": (None, 1),
 }
 HOST_ROUNDS = 5  # host times are sampled in this many interleaved rounds (measure_host)
 BURSTS_PER_ROUND = 3
@@ -60,7 +66,7 @@ RECORD_FIELDS = (
     "time_s", "time_kind", "host_time_s", "host_time_p10_s", "host_time_p90_s",
     "host_time_burst_s",
     "bandwidth_Bps", "floor_s", "ratio", "host_syncs",
-    "norm", "norm_ref", "rel_err", "note", "error", "error_at",
+    "norm", "norm_ref", "rel_err", "per_param_rel_err", "note", "error", "error_at",
 )  # fmt: skip
 SEED = 1234
 # Gradient bytes per model inventory with --scale auto, and of the scaling series.
@@ -101,7 +107,8 @@ def parse_args(argv: list[str] | None):
         "--ops",
         default=",".join(OPS),
         help="comma-separated ops: norm; clip (norm, then a scale on every call); clip_noop "
-        "(the coefficient clamps to 1) (default: %(default)s)",
+        "(the coefficient clamps to 1); per_param (every parameter's norm) "
+        "(default: %(default)s)",
     )
     args = ap.parse_args(argv)
     if args.variants is None:
@@ -170,8 +177,15 @@ def measure(prep: Prepared, op: str, device: torch.device, warmup: int, reps: in
     call = _call(prep, op)
     fill_random(prep.grads, device)
     ref = reference_norm(prep.grads)
-    norm = float(call())
-    return {
+    extra = {}
+    if op == "per_param":
+        norms = call().double()
+        want = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in prep.grads])
+        norm = float(torch.linalg.vector_norm(norms))
+        extra["per_param_rel_err"] = float(((norms - want).abs() / want).max())
+    else:
+        norm = float(call())
+    return extra | {
         "norm": norm,
         "norm_ref": ref,
         "rel_err": abs(norm - ref) / ref,
@@ -181,6 +195,10 @@ def measure(prep: Prepared, op: str, device: torch.device, warmup: int, reps: in
 
 
 def _call(prep: Prepared, op: str):
+    if op == "per_param":
+        if prep.per_param is None:
+            raise NotImplementedError("this row has no per-parameter norms")
+        return prep.per_param
     max_norm = OPS[op][0]
     return prep.norm if max_norm is None else (lambda: prep.clip(max_norm))
 
@@ -389,6 +407,12 @@ TABLE = (
         "rel_err",
         lambda v: f"{v:.1e}",
         "|norm - reference| / reference; reference: the fp64 norm of the same gradients",
+    ),
+    common.Column(
+        "pp rel err",
+        "per_param_rel_err",
+        lambda v: f"{v:.1e}",
+        "per_param rows: the largest |norm - reference| / reference over the parameters",
     ),
     common.Column("error", "error", lambda v: v.splitlines()[0][:48]),
 )

@@ -38,6 +38,8 @@ class Prepared:
         grads: every gradient tensor, in inventory order.
         norm: computes the total L2 norm (a tensor or a float).
         clip: clips to the given max norm and returns the pre-clip norm.
+        per_param: computes every parameter's L2 norm and returns them as one 1-D tensor in
+            inventory order; None where a row has no per-parameter path.
         fields: record fields of this row: ``variant`` (default: the label), ``path`` (which
             route a variant takes, when it has several), ``note``.
     """
@@ -45,6 +47,7 @@ class Prepared:
     grads: list[torch.Tensor]
     norm: Callable[[], Any]
     clip: Callable[[float], Any]
+    per_param: Callable[[], torch.Tensor] | None = None
     fields: dict[str, Any] = field(default_factory=dict)
 
 
@@ -88,6 +91,12 @@ def _per_parameter_clip(grads: list[torch.Tensor], max_norm: float) -> float:
     return total
 
 
+def _per_parameter_loop(grads: list[torch.Tensor]) -> torch.Tensor:
+    # What forks that log per-layer norms do: one vector_norm per tensor (fp32 accumulation),
+    # stacked on the device.
+    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+
+
 def _megatron_on_cuda(named: NamedParams, grads: list[torch.Tensor]) -> Prepared:
     from megatron.core.optimizer.clip_grads import (
         clip_grad_by_total_norm_fp32,
@@ -101,7 +110,9 @@ def _megatron_on_cuda(named: NamedParams, grads: list[torch.Tensor]) -> Prepared
         clip_grad_by_total_norm_fp32(params, max_norm, total)
         return total
 
-    return Prepared(grads, lambda: get_grad_norm_fp32(grads), clip)
+    return Prepared(
+        grads, lambda: get_grad_norm_fp32(grads), clip, lambda: _per_parameter_loop(grads)
+    )
 
 
 @register("megatron")
@@ -119,6 +130,7 @@ def megatron(named: NamedParams, device: torch.device) -> Prepared:
         grads,
         lambda: _per_parameter_norm(grads),
         lambda max_norm: _per_parameter_clip(grads, max_norm),
+        lambda: _per_parameter_loop(grads),
         {"path": CPU_PATH, "note": CPU_NOTE},
     )
 
@@ -133,14 +145,22 @@ def _group_by_dtype(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def _grouped_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def _grouped_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor L2 norms in inventory order, computed per dtype group."""
     # The fix regroups on every call; that walk over every gradient is part of what we time.
     # Per-tensor norms accumulate in fp32, as the fused multi-tensor kernel it calls does.
-    per_tensor = [
-        torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.float32))
-        for group in _group_by_dtype(grads)
-    ]
-    return torch.linalg.vector_norm(torch.cat(per_tensor))
+    order: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        order.setdefault(g.dtype, []).append(i)
+    norms = torch.empty(len(grads), dtype=torch.float32, device=grads[0].device)
+    for idx in order.values():
+        group = torch._foreach_norm([grads[i] for i in idx], 2.0, dtype=torch.float32)
+        norms[idx] = torch.stack(group)
+    return norms
+
+
+def _grouped_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(_grouped_norms(grads))
 
 
 def _grouped_clip(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -157,7 +177,10 @@ def upstream_fix(named: NamedParams, device: torch.device) -> Prepared:
     """Group the gradient list by dtype on every call, then one multi-tensor call per group."""
     grads = _attach_grads(named)
     return Prepared(
-        grads, lambda: _grouped_norm(grads), lambda max_norm: _grouped_clip(grads, max_norm)
+        grads,
+        lambda: _grouped_norm(grads),
+        lambda max_norm: _grouped_clip(grads, max_norm),
+        lambda: _grouped_norms(grads),
     )
 
 
@@ -173,6 +196,8 @@ def torch_foreach(named: NamedParams, device: torch.device) -> Prepared:
         grads,
         lambda: torch.nn.utils.get_total_norm(grads, 2.0, foreach=True),
         lambda max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm, 2.0, foreach=True),
+        # Per-parameter norms the torch way: one multi-tensor norm, stacked.
+        lambda: torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)),
     )
 
 
@@ -187,6 +212,7 @@ def flat(named: NamedParams, device: torch.device) -> Prepared:
         [fgb.view(p) for _, p in named],
         fgb.grad_norm,
         fgb.clip_grad_norm_,
+        lambda: fgb.grad_norm(per_param=True).norms,
     )
 
 

@@ -9,11 +9,13 @@ several) plus a handful of scalar ops on the results, and never syncs with the h
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from .options import DEFAULT, BufferOptions
+from .segments import SegmentTable, torch_segment_stats_
 
 INF = math.inf
 
@@ -115,6 +117,24 @@ class TorchBackend:
     def prepare(self, views: Sequence[torch.Tensor]) -> None:
         """Build whatever per-span state the backend caches (called at construction)."""
 
+    def segment_stats_(
+        self,
+        buf: torch.Tensor,
+        table: SegmentTable,
+        p: float,
+        out: torch.Tensor,
+        nan: torch.Tensor,
+    ) -> None:
+        """Add each parameter slot's sum of |x|^p (max |x| for inf) into ``out[id]``.
+
+        One pass over ``buf`` (:func:`buffers.segments.torch_segment_stats_`); ``out`` and
+        ``nan`` are fp64 vectors indexed by the table's segment ids.
+        """
+        torch_segment_stats_(buf, table, p, out, nan)
+
+    def prepare_segments(self, buf: torch.Tensor, table: SegmentTable) -> None:
+        """Build whatever per-table state the backend caches (called at construction)."""
+
 
 class TritonBackend(TorchBackend):
     """Triton kernels for p = 2 and scaling, over all spans of one buffer in one launch.
@@ -127,6 +147,7 @@ class TritonBackend(TorchBackend):
 
     def __init__(self) -> None:
         self._tables: dict[tuple, object] = {}
+        self._segment_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _table(self, views: Sequence[torch.Tensor]):
         from . import triton_kernels as tk
@@ -162,6 +183,30 @@ class TritonBackend(TorchBackend):
 
     def prepare(self, views: Sequence[torch.Tensor]) -> None:
         self._table(views)
+
+    def _segment_tiles(self, buf: torch.Tensor, table: SegmentTable):
+        """The tiles of every slot of ``buf`` and the segment id of each tile (cached)."""
+        from . import triton_kernels as tk
+
+        if buf.dim() != 1 or not buf.is_contiguous() or buf.dtype not in tk.DTYPES:
+            return None
+        if table not in self._segment_cache:
+            tiles = tk.TileTable(buf, [(lo, hi) for lo, hi, _ in table.slots])
+            ids = torch.tensor([i for _, _, i in table.slots] or [0], device=buf.device)
+            self._segment_cache[table] = (tiles, ids[tiles.tile_span])
+        return self._segment_cache[table]
+
+    def segment_stats_(self, buf, table, p, out, nan) -> None:
+        found = self._segment_tiles(buf, table) if p == 2.0 else None
+        if found is None:
+            return super().segment_stats_(buf, table, p, out, nan)
+        # One launch over every slot's tiles (tiles never cross a slot), then the per-tile
+        # fp32 partials are added into their parameters' fp64 sums.
+        tiles, tile_seg = found
+        out.index_add_(0, tile_seg, tiles.partial_sumsq(buf).to(out.dtype))
+
+    def prepare_segments(self, buf: torch.Tensor, table: SegmentTable) -> None:
+        self._segment_tiles(buf, table)
 
 
 class TransformerEngineBackend(TorchBackend):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Literal, overload
 
 import torch
 
 from . import graphs, ops
 from .graphs import NormClip
 from .options import DEFAULT, BufferOptions
+from .param_norms import ParamNormPass, ParamNorms
 from .plan import LayoutPlan, ParamEntry, plan_layout
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -139,6 +141,7 @@ class FlatGradBuffers:
         self._norm_padding = sum(
             n for b in self.plan.buffers.values() for n in b.padding_in.values()
         )
+        self._param_pass: ParamNormPass | None = None  # built at the first per_param call
 
     def _pick_device(self, device) -> torch.device:
         devices = {p.device for _, p in self._params}
@@ -216,19 +219,37 @@ class FlatGradBuffers:
             self._param_by_id[pid].grad = self._views[pid]
         self._escaped.clear()
 
-    def grad_norm(self, norm_type: float = 2.0, group=None) -> torch.Tensor:
+    @overload
+    def grad_norm(
+        self, norm_type: float = ..., group=..., per_param: Literal[False] = ...
+    ) -> torch.Tensor: ...
+    @overload
+    def grad_norm(
+        self, norm_type: float = ..., group=..., *, per_param: Literal[True]
+    ) -> ParamNorms: ...
+    def grad_norm(
+        self, norm_type: float = 2.0, group=None, per_param: bool = False
+    ) -> torch.Tensor | ParamNorms:
         """Norm of the counted gradients, accumulated in fp32 (fp64 buffers in fp64); no sync.
 
         Args:
             norm_type: p > 0, or ``inf``.
             group: a process group to reduce over (one all-reduce), or None for local.
+            per_param: also every parameter's own norm, from the same single pass over
+                each buffer (:class:`buffers.param_norms.ParamNorms`). With ``group``, the
+                one all-reduce carries the per-parameter vector and the total together;
+                parameters are matched across ranks by name (gathered once per group, at
+                the first such call).
 
         Returns:
             0-dim tensor on the buffers' device: fp32, or fp64 when a counted buffer is
-            fp64 (with a group: when one on this rank is).
+            fp64 (with a group: when one on this rank is). With ``per_param``, a
+            :class:`~buffers.param_norms.ParamNorms` whose ``total`` is that tensor.
         """
         self._raise_if_escaped()
         p = ops.check_norm_type(norm_type)
+        if per_param:
+            return self._param_norms(p, group)
         if group is None:
             return self._norm_clip.norm(p)
         # Built per call, not kept: holding the group past destroy_process_group() can
@@ -236,13 +257,59 @@ class FlatGradBuffers:
         reducer = graphs.GroupReducer(p, group, self.device, self.options)
         return self._norm_clip.norm_reduced(p, *reducer.args())
 
+    def _param_norms(self, p: float, group) -> ParamNorms:
+        """Per-parameter and total norms: one segmented pass per buffer, one all-reduce."""
+        if self._param_pass is None:
+            names = [name for name, _ in self._params]
+            self._param_pass = ParamNormPass(
+                self.plan, self.buffers, names, self.device, self.options
+            )
+        pp = self._param_pass
+        replay = self._norm_clip.replay
+
+        def local() -> torch.Tensor:
+            return pp.local(p)
+
+        if group is None:
+            stats = replay(("per_param", p), local).clone()
+            return pp.finish(stats, p, pp.names, pp.counted)
+        reducer = graphs.GroupReducer(p, group, self.device, self.options)
+        reduce, capture_reduce, reduce_key = reducer.args()
+        union = pp.union(group, reduce_key)
+        if capture_reduce:  # the all-reduce inside the graph, as NormClip.norm_reduced
+            key = ("per_param_reduced", p, reduce_key)
+            stats = replay(key, lambda: reduce(pp.wire(local(), union))).clone()
+        else:
+            stats = reduce(pp.wire(replay(("per_param", p), local), union))
+        return pp.finish(stats, p, union.names, union.counted)
+
+    @overload
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = ...,
+        group=...,
+        error_if_nonfinite: bool = ...,
+        per_param: Literal[False] = ...,
+    ) -> torch.Tensor: ...
+    @overload
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = ...,
+        group=...,
+        error_if_nonfinite: bool = ...,
+        *,
+        per_param: Literal[True],
+    ) -> ParamNorms: ...
     def clip_grad_norm_(
         self,
         max_norm: float,
         norm_type: float = 2.0,
         group=None,
         error_if_nonfinite: bool = False,
-    ) -> torch.Tensor:
+        per_param: bool = False,
+    ) -> torch.Tensor | ParamNorms:
         """Scale all gradients by ``max_norm / (norm + 1e-6)`` when that is below 1.
 
         Args:
@@ -251,27 +318,31 @@ class FlatGradBuffers:
             norm_type: p > 0, or ``inf``.
             group: a process group to reduce over, or None.
             error_if_nonfinite: raise if the norm is NaN or inf (this one check syncs).
+            per_param: return the pre-clip per-parameter norms too (as
+                :meth:`grad_norm` with ``per_param=True``); the scale is then its own
+                launch per buffer after them.
 
         Returns:
             The pre-clip norm, a 0-dim device tensor: fp32, or fp64 when a counted buffer
-            is fp64.
+            is fp64. With ``per_param``: the pre-clip :class:`ParamNorms`.
         """
         max_norm = ops.check_max_norm(max_norm)
-        if not error_if_nonfinite:
+        if not (error_if_nonfinite or per_param):
             self._raise_if_escaped()
             p = ops.check_norm_type(norm_type)
             if group is None:
                 return self._norm_clip.clip_(float(max_norm), p)
             reducer = graphs.GroupReducer(p, group, self.device, self.options)
             return self._norm_clip.clip_reduced_(float(max_norm), p, *reducer.args())
-        total = self.grad_norm(norm_type, group)
+        result = self.grad_norm(norm_type, group, per_param=per_param)
+        total = result.total if per_param else result
         if error_if_nonfinite and not torch.isfinite(total).item():
             raise RuntimeError(
                 f"the total norm of order {norm_type} of the gradients is non-finite, so it "
                 "cannot be clipped; pass error_if_nonfinite=False to scale by NaN/0 instead"
             )
         self._norm_clip.scale_by_norm_(total, float(max_norm))
-        return total
+        return result
 
     def clipped_step(
         self,

@@ -99,21 +99,33 @@ class TileTable:
 
     def __init__(self, base: torch.Tensor, spans: Sequence[tuple[int, int]]) -> None:
         # Offsets only: the same table serves any buffer with these spans (``base`` at call).
-        core, edges = [], []
-        for lo, hi in spans:
+        core, edges, core_span, edge_span = [], [], [], []
+        for i, (lo, hi) in enumerate(spans):
             c, e = split_span(lo, hi)
             core += c
             edges += e
+            core_span += [i] * len(c)
+            edge_span += [i] * len(e)
         tiles = core + edges
         self.n_core = len(core)
         self.n = len(tiles)
         self.starts = torch.tensor([t[0] for t in tiles], dtype=torch.int64, device=base.device)
         self.ends = torch.tensor([t[1] for t in tiles], dtype=torch.int64, device=base.device)
+        # Which span each tile belongs to: a segmented sum adds partials by span.
+        self.tile_span = torch.tensor(core_span + edge_span, dtype=torch.int64, device=base.device)
         self.partials = torch.empty(max(self.n, 1), dtype=torch.float32, device=base.device)
 
     def sumsq(self, base: torch.Tensor) -> torch.Tensor:
+        """Sum of squares over all spans (fp32, 0-dim)."""
         if self.n == 0:
             return self.partials[:1].zero_().sum()
+        return self.partial_sumsq(base).sum()
+
+    def partial_sumsq(self, base: torch.Tensor) -> torch.Tensor:
+        """Sum of squares per tile (fp32, one per tile; tile ``i`` is in span
+        ``tile_span[i]``). The returned tensor is rewritten by the next call."""
+        if self.n == 0:
+            return self.partials[:0]
         _sumsq_kernel[(self.n,)](
             base,
             self.starts,
@@ -125,7 +137,7 @@ class TileTable:
             EDGE=EDGE,
             num_warps=8,
         )
-        return self.partials[: self.n].sum()
+        return self.partials[: self.n]
 
     def scale_(self, base: torch.Tensor, coeff: torch.Tensor) -> None:
         if self.n:

@@ -1,0 +1,303 @@
+"""Per-parameter gradient norms from one segmented pass per flat buffer, with the total.
+
+:meth:`FlatGradBuffers.grad_norm(..., per_param=True) <buffers.FlatGradBuffers.grad_norm>`
+returns a :class:`ParamNorms`: the total norm (what ``grad_norm`` returns) and every
+parameter's own norm, as device tensors, from the same read of the gradients. Nothing here
+copies to the host until a value is read (:class:`LazyNorms`); :class:`GroupIndex` folds
+the per-parameter norms into groups (layers, module types) on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .options import DEFAULT, BufferOptions
+from .plan import LayoutPlan
+from .segments import build_segment_table
+
+INF = math.inf
+
+
+class LazyNorms(Mapping):
+    """``{name: norm}`` over a device tensor, copied to the host once, when a value is read.
+
+    Names, ``len`` and ``in`` need no copy; the first value read copies the whole vector
+    (one transfer, one sync), later reads use that copy. ``tensor`` stays on the device.
+    """
+
+    def __init__(self, names: Sequence[str], tensor: torch.Tensor) -> None:
+        self.names = tuple(names)
+        self.tensor = tensor
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self._host: list[float] | None = None
+
+    @property
+    def copied(self) -> bool:
+        """Whether the values have been copied to the host."""
+        return self._host is not None
+
+    def _values(self) -> list[float]:
+        if self._host is None:
+            self._host = self.tensor.tolist()
+        return self._host
+
+    def __getitem__(self, name: str) -> float:
+        return self._values()[self._index[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def __repr__(self) -> str:
+        if not self.copied:
+            return f"LazyNorms(<{len(self)} norms on {self.tensor.device}, not copied>)"
+        shown = dict(self.items())
+        return f"LazyNorms({shown})"
+
+
+class GroupIndex:
+    """Which group (layer, module type, ...) each parameter name belongs to; built once.
+
+    Args:
+        names: the parameter names, in the order of the norms to aggregate
+            (:attr:`ParamNorms.names`).
+        rule: a regular expression (its first group, or the whole match when it has none,
+            names the group; a name it does not match belongs to no group), or a function
+            from a name to its group name (``None``: no group).
+
+    Groups are listed in the order their first member appears.
+    """
+
+    def __init__(
+        self, names: Sequence[str], rule: str | re.Pattern | Callable[[str], str | None]
+    ) -> None:
+        self.names = tuple(names)
+        if isinstance(rule, str | re.Pattern):
+            pattern = re.compile(rule)
+
+            def rule(name: str, pattern=pattern) -> str | None:
+                m = pattern.search(name)
+                if m is None:
+                    return None
+                return m.group(1) if pattern.groups else m.group(0)
+
+        ids: dict[str, int] = {}
+        member = []
+        for name in self.names:
+            g = rule(name)
+            member.append(-1 if g is None else ids.setdefault(g, len(ids)))
+        self.groups = tuple(ids)
+        dump = len(self.groups)  # the slot of names in no group
+        self._member = torch.tensor([dump if m < 0 else m for m in member], dtype=torch.int64)
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def member(self, device: torch.device) -> torch.Tensor:
+        """Group id of every name (``len(groups)`` for none), on ``device`` (cached)."""
+        if device not in self._on:
+            self._on[device] = self._member.to(device)
+        return self._on[device]
+
+    def aggregate(self, norms: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
+        """The p-norm of each group from its members' p-norms, on the device.
+
+        (sum of member norm^p)^(1/p), accumulated in fp64; max for inf (NaN propagates).
+        Returns one norm per group, in ``norms``'s dtype.
+        """
+        p = ops.check_norm_type(norm_type)
+        member = self.member(norms.device)
+        stats = torch.zeros(len(self.groups) + 1, dtype=torch.float64, device=norms.device)
+        src = norms.to(torch.float64)
+        if p == INF:
+            nan = torch.zeros_like(stats).index_add_(0, member, torch.isnan(src).double())
+            stats.scatter_reduce_(0, member, src, "amax", include_self=True)
+            stats = torch.where(nan > 0, torch.full_like(stats, math.nan), stats)
+        else:
+            stats.index_add_(0, member, src.pow(p))
+        return ops.finish_norm(stats[:-1], p).to(norms.dtype)
+
+
+@dataclass(frozen=True)
+class ParamNorms:
+    """The total norm and every parameter's own norm, from one pass.
+
+    Attributes:
+        total: the norm of the counted gradients, as ``grad_norm`` returns it (same dtype;
+            summed in another order, so equal up to rounding, not bit for bit).
+        norms: one norm per name (1-D device tensor; fp64 when a buffer here is fp64,
+            else fp32). An uncounted parameter has its own norm here too.
+        names: the parameter names, in the order of ``norms``.
+        counted: per name, whether it counts toward ``total``. ``total`` is the p-norm of
+            the counted entries of ``norms``.
+        norm_type: p.
+    """
+
+    total: torch.Tensor
+    norms: torch.Tensor
+    names: tuple[str, ...]
+    counted: tuple[bool, ...]
+    norm_type: float
+
+    def as_dict(self) -> LazyNorms:
+        """``{name: norm}``, copied to the host only when a value is read."""
+        return LazyNorms(self.names, self.norms)
+
+    def by_group(self, index: GroupIndex) -> LazyNorms:
+        """``{group: norm}`` of ``index``'s groups, aggregated on the device (lazy)."""
+        if index.names is not self.names and index.names != self.names:
+            raise ValueError(
+                "this GroupIndex was built for other parameter names; build it from these "
+                "norms' names: GroupIndex(norms.names, rule)"
+            )
+        return LazyNorms(index.groups, index.aggregate(self.norms, self.norm_type))
+
+
+@dataclass(frozen=True)
+class _Union:
+    """Where this rank's per-parameter stats go in a vector shared by every rank of a group."""
+
+    names: tuple[str, ...]
+    counted: tuple[bool, ...]
+    local_index: torch.Tensor  # local stat positions sent (contributing params, then total)
+    wire_index: torch.Tensor  # their positions in the wire vector (total last)
+
+
+class ParamNormPass:
+    """Per-parameter stats of every flat buffer in one segmented pass each (built once).
+
+    Args:
+        plan: the layout (slots of every buffer).
+        buffers: the flat buffers, by dtype.
+        names: parameter names by plan index.
+        device: where results live.
+        options: backend choice.
+    """
+
+    def __init__(
+        self,
+        plan: LayoutPlan,
+        buffers: Mapping[torch.dtype, torch.Tensor],
+        names: Sequence[str],
+        device: torch.device,
+        options: BufferOptions = DEFAULT,
+    ) -> None:
+        self.n = len(names)
+        self.names = tuple(names)
+        counted = [True] * self.n
+        for b in plan.buffers.values():
+            for s in b.slots:
+                counted[s.index] = s.counted
+        self.counted = tuple(counted)
+        self.device = device
+        self.options = options
+        self._mask = torch.tensor(self.counted, dtype=torch.bool, device=device)
+        self._tables = []
+        for dt, b in plan.buffers.items():
+            slots = [(s.offset, s.numel, s.index) for s in b.slots]
+            table = build_segment_table(b.numel, slots, self.n, device)
+            backend = ops.backend_for(buffers[dt].device, options)
+            backend.prepare_segments(buffers[dt], table)
+            self._tables.append((buffers[dt], table))
+        any64 = torch.float64 in plan.buffers
+        counted64 = any(
+            dt == torch.float64 and any(s.counted for s in b.slots)
+            for dt, b in plan.buffers.items()
+        )
+        self.norm_dtype = torch.float64 if any64 else torch.float32
+        self.total_dtype = torch.float64 if counted64 else torch.float32
+        self._unions: dict[object, _Union] = {}
+
+    def local(self, p: float) -> torch.Tensor:
+        """fp64 ``[stat of each parameter..., stat of the counted total]`` on this rank.
+
+        stat = sum of |x|^p (max |x| for inf). No host sync.
+        """
+        out = torch.zeros(self.n + 1, dtype=torch.float64, device=self.device)
+        nan = torch.zeros_like(out) if p == INF else out
+        for buf, table in self._tables:
+            ops.backend_for(buf.device, self.options).segment_stats_(buf, table, p, out, nan)
+        if p == INF:
+            out = torch.where(nan > 0, torch.full_like(out, math.nan), out)
+        stats = out[: self.n]
+        counted = torch.where(self._mask, stats, torch.zeros_like(stats))
+        total = counted.amax() if p == INF and self.n else counted.sum()
+        out[self.n] = total  # the last slot collected boundary blocks; it is the total now
+        return out
+
+    def union(self, group, key: object) -> _Union:
+        """The names of every rank of ``group`` and this rank's place among them.
+
+        Gathered once per group (one ``all_gather_object``, at the first per-parameter call
+        over it), then kept under ``key``. A name counted on some rank is reported from the
+        counted copies only (uncounted copies are duplicates); a name counted nowhere sums
+        every rank's copy.
+        """
+        if key in self._unions:
+            return self._unions[key]
+        import torch.distributed as dist
+
+        seen: dict[str, int] = {}
+        for i, name in enumerate(self.names):
+            if name in seen:
+                raise ValueError(
+                    f"parameter name {name!r} is used twice (parameters {seen[name]} and {i}); "
+                    "per-parameter norms over a process group match parameters by name, so "
+                    "pass unique names (named_parameters())"
+                )
+            seen[name] = i
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (self.names, self.counted), group=group)
+        order: dict[str, int] = {}
+        counted_any: list[bool] = []
+        for names, counted in gathered:
+            for name, c in zip(names, counted, strict=True):
+                if name not in order:
+                    order[name] = len(order)
+                    counted_any.append(False)
+                counted_any[order[name]] |= c
+        sent = [
+            i
+            for i, name in enumerate(self.names)
+            if self.counted[i] or not counted_any[order[name]]
+        ]
+        size = len(order)
+        union = _Union(
+            tuple(order),
+            tuple(counted_any),
+            torch.tensor([*sent, self.n], dtype=torch.int64, device=self.device),
+            torch.tensor(
+                [order[self.names[i]] for i in sent] + [size],
+                dtype=torch.int64,
+                device=self.device,
+            ),
+        )
+        self._unions[key] = union
+        return union
+
+    def wire(self, local: torch.Tensor, union: _Union) -> torch.Tensor:
+        """This rank's part of the shared vector ``[stat per union name..., total]``."""
+        out = torch.zeros(len(union.names) + 1, dtype=torch.float64, device=self.device)
+        return out.index_copy_(0, union.wire_index, local.index_select(0, union.local_index))
+
+    def finish(
+        self, stats: torch.Tensor, p: float, names: tuple[str, ...], counted: tuple[bool, ...]
+    ) -> ParamNorms:
+        """Norms from ``[stat per name..., total stat]``."""
+        norms = ops.finish_norm(stats, p)
+        return ParamNorms(
+            norms[-1].to(self.total_dtype),
+            norms[:-1].to(self.norm_dtype),
+            names,
+            counted,
+            p,
+        )

@@ -1,0 +1,170 @@
+"""Segmented reductions: one power sum (or max) per parameter slot of a flat buffer, in one
+pass over the buffer.
+
+A :class:`SegmentTable` is built once per buffer from the plan's slots. Every slot owns the
+elements from its offset up to the next slot's offset (the alignment padding after it is
+zero, so it adds nothing), which cuts the buffer into contiguous segments. The torch path
+reduces the buffer in sub-blocks small enough never to cross a segment boundary (every
+slot offset is a multiple of the sub-block length) as rows of a ``view(-1, sub)`` (torch
+sums rows pairwise, so fp32 stays accurate), then those results in blocks of
+:data:`BLOCK` elements; a block inside one segment is added to it by one ``index_add_``,
+and the few blocks holding a boundary add their sub-block results one by one instead.
+Per-segment totals accumulate in fp64: a
+parameter of 10^8 elements is 5 * 10^4 block sums, and adding those in fp32 one after the
+other would lose ~1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 2048  # elements per block (a power of two)
+
+# Elements upcast at a time (a multiple of BLOCK), per device type: as ops._CHUNK, one
+# scratch reused while it sits in the CPU's cache; bigger chunks mean fewer launches on GPUs.
+_CHUNK = {"cpu": 1 << 20}
+_CHUNK_OTHER = 1 << 22
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity (backends cache on it)
+class SegmentTable:
+    """Which segment every block and boundary sub-block of one flat buffer adds to.
+
+    Attributes:
+        numel: the buffer's length.
+        sub: sub-block length (a power of two dividing every slot offset and ``numel``).
+        block_seg: per full block, its segment id, or ``dump`` for a block holding a
+            boundary (those are read again as sub-blocks).
+        sub_ids: indices (in units of ``sub``) of the sub-blocks of boundary blocks and of
+            the tail after the last full block.
+        sub_seg: the segment id of each of those sub-blocks.
+        slots: ``(start, end, segment id)`` of each slot's own elements (padding excluded),
+            for kernels that cut the spans themselves (Triton).
+        dump: the id the boundary blocks are added to (a slot the caller discards).
+    """
+
+    numel: int
+    sub: int
+    block_seg: torch.Tensor
+    sub_ids: torch.Tensor
+    sub_seg: torch.Tensor
+    slots: tuple[tuple[int, int, int], ...]
+    dump: int
+
+    @property
+    def n_full(self) -> int:
+        return self.numel // BLOCK
+
+
+def build_segment_table(
+    numel: int,
+    slots: Sequence[tuple[int, int, int]],
+    dump: int,
+    device: torch.device,
+) -> SegmentTable:
+    """The table of one buffer of ``numel`` elements whose slots are ``(offset, numel, id)``.
+
+    Slots must not overlap, and every element outside them must be zero (the plan's
+    padding is), because it is added to the segment of the slot before it.
+    """
+    ordered = sorted(slots, key=lambda s: (s[0], s[1]))
+    g = numel
+    for off, _, _ in ordered:
+        g = math.gcd(g, off)
+    sub = min(g & -g, BLOCK) if g else BLOCK
+    starts = torch.tensor([s[0] for s in ordered] or [0], dtype=torch.int64)
+    ids = torch.tensor([s[2] for s in ordered] or [dump], dtype=torch.int64)
+
+    def seg_of(pos: torch.Tensor) -> torch.Tensor:
+        # The last slot starting at or before pos (a zero-size slot sorts before the slot
+        # sharing its offset, so it owns nothing); before the first slot: dump.
+        at = torch.searchsorted(starts, pos, right=True) - 1
+        return torch.where(at >= 0, ids[at.clamp(min=0)], torch.full_like(pos, dump))
+
+    n_full = numel // BLOCK
+    first = torch.arange(n_full, dtype=torch.int64) * BLOCK
+    # A block holds a boundary when a slot starts after its first element and within it.
+    boundary = torch.searchsorted(starts, first, right=True) != torch.searchsorted(
+        starts, first + BLOCK - 1, right=True
+    )
+    block_seg = torch.where(boundary, torch.full_like(first, dump), seg_of(first))
+    per_block = BLOCK // sub
+    mixed = boundary.nonzero().flatten()
+    sub_ids = torch.cat(
+        [
+            (mixed[:, None] * per_block + torch.arange(per_block)).flatten(),
+            torch.arange(n_full * per_block, numel // sub, dtype=torch.int64),
+        ]
+    )
+    sub_seg = seg_of(sub_ids * sub)
+    spans = tuple((off, off + n, i) for off, n, i in ordered)
+    return SegmentTable(
+        numel,
+        sub,
+        block_seg.to(device),
+        sub_ids.to(device),
+        sub_seg.to(device),
+        spans,
+        dump,
+    )
+
+
+def _power_(x: torch.Tensor, p: float) -> torch.Tensor:
+    """|x|^p in place (|x| for inf)."""
+    if p == 2.0:
+        return x.square_()
+    x.abs_()
+    if p not in (1.0, math.inf):
+        x.pow_(p)
+    return x
+
+
+def _add_to(
+    out: torch.Tensor, nan: torch.Tensor, index: torch.Tensor, src: torch.Tensor, p: float
+) -> None:
+    """Add (p < inf) or max (inf) ``src`` into ``out`` at ``index``; NaN marked in ``nan``."""
+    src = src.to(out.dtype)
+    if p != math.inf:
+        out.index_add_(0, index, src)
+        return
+    # A CUDA atomic max drops NaN: count NaN apart and restore it when finishing.
+    out.scatter_reduce_(0, index, src, "amax", include_self=True)
+    nan.index_add_(0, index, torch.isnan(src).to(nan.dtype))
+
+
+def torch_segment_stats_(
+    buf: torch.Tensor, table: SegmentTable, p: float, out: torch.Tensor, nan: torch.Tensor
+) -> None:
+    """Add each segment's sum of |x|^p (max |x| for inf) of ``buf`` into ``out[id]``.
+
+    ``out`` and ``nan`` are fp64 vectors indexed by segment id (``nan`` counts NaN seen by
+    the inf-norm; untouched otherwise). One read of ``buf``, chunk by chunk through a
+    reused scratch: each sub-block is reduced in fp32 (fp64 for fp64 buffers) into a small
+    vector of sub-block results, which blocks then reduce further; only that vector (not
+    the buffer) is read again for the sub-blocks of boundary blocks.
+    """
+    acc = torch.promote_types(buf.dtype, torch.float32)
+    inf = p == math.inf
+    sub = table.sub
+    subs = torch.empty(table.numel // sub, dtype=acc, device=buf.device)
+    if subs.numel():
+        chunk = _CHUNK.get(buf.device.type, _CHUNK_OTHER)
+        scratch = torch.empty(min(chunk, table.numel), dtype=acc, device=buf.device)
+        for start in range(0, table.numel, chunk):
+            c = buf[start : start + chunk]
+            s = scratch[: c.numel()]
+            s.copy_(c)
+            rows = _power_(s, p).view(-1, sub)
+            dest = subs[start // sub : (start + c.numel()) // sub]
+            (torch.amax if inf else torch.sum)(rows, dim=1, out=dest)
+    n_full = table.n_full
+    if n_full:
+        per_block = subs[: n_full * (BLOCK // sub)].view(n_full, BLOCK // sub)
+        blocks = per_block.amax(dim=1) if inf else per_block.sum(dim=1)
+        _add_to(out, nan, table.block_seg, blocks, p)
+    if table.sub_ids.numel():
+        _add_to(out, nan, table.sub_seg, subs.index_select(0, table.sub_ids), p)
