@@ -19,23 +19,13 @@ from megatron_ext.ddp import param_flags
 from megatron_ext.layout import buffer_layout
 from megatron_ext.optimizer import _build_state
 from megatron_ext.spans import exclusion_reason
+from tests.support.fakes import FakeGroup
 
 BF16, FP32 = torch.bfloat16, torch.float32
 # megatron-core 0.19+ filters expert duplicates over the expert TP group
 EXPERT_AWARE = (
     "expert_tp_group" in inspect.signature(param_is_not_tensor_parallel_duplicate).parameters
 )
-
-
-class FakeGroup:
-    def __init__(self, rank, size):
-        self._rank, self._size = rank, size
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self._size
 
 
 def layout(specs, dp, bucket_elems):

@@ -9,17 +9,7 @@ from buffers.spans import Span
 from megatron_ext.layout import buffer_layout
 from megatron_ext.spans import GradRecord
 from megatron_ext.targets import buffer_target, mirror_view
-
-
-class FakeGroup:
-    def __init__(self, rank, size):
-        self._rank, self._size = rank, size
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self._size
+from tests.support.fakes import FakeGroup
 
 
 def fake_buffer(dp_rank, dp_size, dtype=torch.bfloat16):
