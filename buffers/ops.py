@@ -49,8 +49,26 @@ def check_max_norm(max_norm: float | torch.Tensor) -> float:
 # buffer (4 MiB of fp32) is reused chunk after chunk while it sits in cache, and a fresh
 # multi-MiB temporary on every call costs page faults (measured: 2.6 ms instead of under 1 ms
 # for 8 MiB of bf16). On CUDA, bigger chunks mean fewer launches.
-_CHUNK = {"cpu": 1 << 20}
+_CHUNK = {"cpu": 1 << 21}
 _CHUNK_OTHER = 1 << 22
+
+
+_CPU_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A scratch tensor of at least ``numel`` elements.
+
+    On the CPU one per dtype is kept between calls (at most one chunk: 8 MiB of fp32):
+    allocating and first-touching it each call cost about a fifth of a norm. Elsewhere a
+    fresh one, so a CUDA graph capture owns its own.
+    """
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    held = _CPU_SCRATCH.get(dtype)
+    if held is None or held.numel() < numel:
+        held = _CPU_SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
+    return held[:numel]
 
 
 def _power_sum_chunked(views: Sequence[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
@@ -64,7 +82,7 @@ def _power_sum_chunked(views: Sequence[torch.Tensor], p: float, acc: torch.dtype
     device = views[0].device
     chunk = _CHUNK.get(device.type, _CHUNK_OTHER)
     longest = max(v.numel() for v in views)
-    scratch = torch.empty(min(chunk, max(longest, 1)), dtype=acc, device=device)
+    scratch = _scratch(device, acc, min(chunk, max(longest, 1)))
     parts = []
     for v in views:
         for c in v.reshape(-1).split(chunk):
