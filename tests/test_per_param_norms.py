@@ -6,8 +6,6 @@ the values copied in), never from the code under test.
 
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,6 +16,7 @@ import torch.multiprocessing as mp
 from buffers import FlatGradBuffers
 from buffers.param_norms import GroupIndex, LazyNorms, ParamNorms
 from buffers.segments import BLOCK, build_segment_table, torch_segment_stats_
+from tests.support.triton_interpreter import run_interpreted
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 NORM_TYPES = [2.0, 1.0, 3.0, math.inf]
@@ -272,11 +271,7 @@ TRITON_SCRIPT = textwrap.dedent(
 
 def test_segmented_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT], cwd=root, env=env, capture_output=True, text=True
-    )
+    res = run_interpreted(TRITON_SCRIPT)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "segmented kernel ok" in res.stdout
 

@@ -5,12 +5,11 @@ fresh interpreter process. On the GPU the same kernels run compiled (tests/test_
 with the cuda device, and the Megatron GPU tests).
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.support.triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -55,10 +54,6 @@ SCRIPT = textwrap.dedent(
 
 
 def test_kernels_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True
-    )
+    res = run_interpreted(SCRIPT)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "kernels ok" in res.stdout
