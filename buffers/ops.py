@@ -210,18 +210,20 @@ class TritonBackend(TorchBackend):
             return None
         if table not in self._segment_cache:
             tiles = tk.TileTable(buf, [(lo, hi) for lo, hi, _ in table.slots])
-            ids = torch.tensor([i for _, _, i in table.slots] or [0], device=buf.device)
-            self._segment_cache[table] = (tiles, ids[tiles.tile_span])
+            ids = torch.tensor([i for _, _, i in table.slots], dtype=torch.int64)
+            self._segment_cache[table] = (tiles, ids.to(buf.device))
         return self._segment_cache[table]
 
     def segment_stats_(self, buf, table, p, out, nan) -> None:
         found = self._segment_tiles(buf, table) if p == 2.0 else None
         if found is None:
             return super().segment_stats_(buf, table, p, out, nan)
-        # One launch over every slot's tiles (tiles never cross a slot), then the per-tile
-        # fp32 partials are added into their parameters' fp64 sums.
-        tiles, tile_seg = found
-        out.index_add_(0, tile_seg, tiles.partial_sumsq(buf).to(out.dtype))
+        # One launch over every slot's tiles (tiles never cross a slot), one more adding
+        # each slot's tile partials in fp64; then one index_add_ of a value per slot (one
+        # per parameter: no two atomics on one address in the usual one-slot case).
+        tiles, slot_seg = found
+        if slot_seg.numel():
+            out.index_add_(0, slot_seg, tiles.span_sumsq(buf))
 
     def prepare_segments(self, buf: torch.Tensor, table: SegmentTable) -> None:
         self._segment_tiles(buf, table)

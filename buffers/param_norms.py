@@ -289,15 +289,22 @@ class ParamNormPass:
         out = torch.zeros(len(union.names) + 1, dtype=torch.float64, device=self.device)
         return out.index_copy_(0, union.wire_index, local.index_select(0, union.local_index))
 
-    def finish(
-        self, stats: torch.Tensor, p: float, names: tuple[str, ...], counted: tuple[bool, ...]
-    ) -> ParamNorms:
-        """Norms from ``[stat per name..., total stat]``."""
-        norms = ops.finish_norm(stats, p)
-        return ParamNorms(
-            norms[-1].to(self.total_dtype),
-            norms[:-1].to(self.norm_dtype),
-            names,
-            counted,
-            p,
+    def finished(self, stats: torch.Tensor, p: float) -> torch.Tensor:
+        """``[norm per name..., total norm]`` from ``[stat per name..., total stat]``, as
+        one vector (one output, one copy when replayed as a graph): in the norms' dtype,
+        or fp64 when only the norms are fp64 (:meth:`split` casts the total)."""
+        dtype = (
+            torch.float64
+            if torch.float64 in (self.norm_dtype, self.total_dtype)
+            else (torch.float32)
         )
+        return ops.finish_norm(stats, p).to(dtype)
+
+    def split(
+        self, vec: torch.Tensor, p: float, names: tuple[str, ...], counted: tuple[bool, ...]
+    ) -> ParamNorms:
+        """The :class:`ParamNorms` of a :meth:`finished` vector (views where dtypes allow)."""
+        total = vec[-1]
+        if total.dtype != self.total_dtype:
+            total = total.to(self.total_dtype)
+        return ParamNorms(total, vec[:-1], names, counted, p)

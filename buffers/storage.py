@@ -270,18 +270,20 @@ class FlatGradBuffers:
         def local() -> torch.Tensor:
             return pp.local(p)
 
+        # Everything up to the finished norms is one replay; one copy of its output.
         if group is None:
-            stats = replay(("per_param", p), local).clone()
-            return pp.finish(stats, p, pp.names, pp.counted)
+            vec = replay(("per_param", p), lambda: pp.finished(local(), p)).clone()
+            return pp.split(vec, p, pp.names, pp.counted)
         reducer = graphs.GroupReducer(p, group, self.device, self.options)
         reduce, capture_reduce, reduce_key = reducer.args()
         union = pp.union(group, reduce_key)
         if capture_reduce:  # the all-reduce inside the graph, as NormClip.norm_reduced
             key = ("per_param_reduced", p, reduce_key)
-            stats = replay(key, lambda: reduce(pp.wire(local(), union))).clone()
+            vec = replay(key, lambda: pp.finished(reduce(pp.wire(local(), union)), p)).clone()
         else:
-            stats = reduce(pp.wire(replay(("per_param", p), local), union))
-        return pp.finish(stats, p, union.names, union.counted)
+            stats = reduce(pp.wire(replay(("per_param_stats", p), local), union))
+            vec = pp.finished(stats, p)
+        return pp.split(vec, p, union.names, union.counted)
 
     @overload
     def clip_grad_norm_(

@@ -85,6 +85,25 @@ def _scale_kernel(
             tl.store(base + e_offs, (e_x.to(tl.float32) * c).to(e_x.dtype), mask=e_mask)
 
 
+@triton.jit
+def _span_sum_kernel(partials, core_lo, core_hi, edge_lo, edge_hi, out, ROWS: tl.constexpr):
+    # One program per span: its tiles' fp32 partials (a contiguous run of core tiles and
+    # at most two edge tiles) added in fp64. A parameter of 10^9 elements has ~6 * 10^4
+    # tiles: this loop reads them in order instead of 6 * 10^4 atomics on one address.
+    s = tl.program_id(0)
+    acc = tl.zeros((ROWS,), dtype=tl.float64)
+    lo = tl.load(core_lo + s)
+    hi = tl.load(core_hi + s)
+    for start in range(lo, hi, ROWS):
+        offs = start + tl.arange(0, ROWS)
+        acc += tl.load(partials + offs, mask=offs < hi, other=0.0).to(tl.float64)
+    e_lo = tl.load(edge_lo + s)
+    e_hi = tl.load(edge_hi + s)
+    e_offs = e_lo + tl.arange(0, ROWS)
+    acc += tl.load(partials + e_offs, mask=e_offs < e_hi, other=0.0).to(tl.float64)
+    tl.store(out + s, tl.sum(acc, axis=0))
+
+
 def split_span(lo: int, hi: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Cut ``[lo, hi)`` into core tiles (EDGE-aligned ends, at most TILE long) and edges."""
     a = min(-(-lo // EDGE) * EDGE, hi)
@@ -99,20 +118,29 @@ class TileTable:
 
     def __init__(self, base: torch.Tensor, spans: Sequence[tuple[int, int]]) -> None:
         # Offsets only: the same table serves any buffer with these spans (``base`` at call).
-        core, edges, core_span, edge_span = [], [], [], []
-        for i, (lo, hi) in enumerate(spans):
+        core, edges = [], []
+        core_run, edge_run = [], []  # per span: its tiles' index range
+        for lo, hi in spans:
             c, e = split_span(lo, hi)
+            core_run.append((len(core), len(core) + len(c)))
+            edge_run.append((len(edges), len(edges) + len(e)))
             core += c
             edges += e
-            core_span += [i] * len(c)
-            edge_span += [i] * len(e)
         tiles = core + edges
         self.n_core = len(core)
         self.n = len(tiles)
+        self.n_spans = len(spans)
+
+        def column(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=base.device)
+
+        self.core_lo = column([a for a, _ in core_run])
+        self.core_hi = column([b for _, b in core_run])
+        self.edge_lo = column([a + self.n_core for a, _ in edge_run])
+        self.edge_hi = column([b + self.n_core for _, b in edge_run])
+        self.span_sums = torch.empty(len(spans), dtype=torch.float64, device=base.device)
         self.starts = torch.tensor([t[0] for t in tiles], dtype=torch.int64, device=base.device)
         self.ends = torch.tensor([t[1] for t in tiles], dtype=torch.int64, device=base.device)
-        # Which span each tile belongs to: a segmented sum adds partials by span.
-        self.tile_span = torch.tensor(core_span + edge_span, dtype=torch.int64, device=base.device)
         self.partials = torch.empty(max(self.n, 1), dtype=torch.float32, device=base.device)
 
     def sumsq(self, base: torch.Tensor) -> torch.Tensor:
@@ -122,8 +150,8 @@ class TileTable:
         return self.partial_sumsq(base).sum()
 
     def partial_sumsq(self, base: torch.Tensor) -> torch.Tensor:
-        """Sum of squares per tile (fp32, one per tile; tile ``i`` is in span
-        ``tile_span[i]``). The returned tensor is rewritten by the next call."""
+        """Sum of squares per tile (fp32, one per tile: the core tiles of every span in
+        span order, then the edge tiles). Rewritten by the next call."""
         if self.n == 0:
             return self.partials[:0]
         _sumsq_kernel[(self.n,)](
@@ -138,6 +166,26 @@ class TileTable:
             num_warps=8,
         )
         return self.partials[: self.n]
+
+    def span_sumsq(self, base: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+        """Sum of squares per span (fp64, one per span, in ``spans`` order): the tile
+        kernel, then one program per span adding its tiles' partials. Rewritten by the
+        next call. ``rows``: partials read at a time per program (a power of two)."""
+        if self.n_spans == 0:
+            return self.span_sums
+        partials = self.partial_sumsq(base)
+        if self.n == 0:
+            return self.span_sums.zero_()
+        _span_sum_kernel[(self.n_spans,)](
+            partials,
+            self.core_lo,
+            self.core_hi,
+            self.edge_lo,
+            self.edge_hi,
+            self.span_sums,
+            ROWS=rows,
+        )
+        return self.span_sums
 
     def scale_(self, base: torch.Tensor, coeff: torch.Tensor) -> None:
         if self.n:

@@ -260,6 +260,13 @@ TRITON_SCRIPT = textwrap.dedent(
                 want = buf[o:o + n].double().square().sum().item()
                 assert math.isclose(out[i].item(), want, rel_tol=1e-6, abs_tol=0), (dtype, i)
             assert out[-1].item() == 0.0
+        # Spans of several tiles, their partials read two at a time: the per-span loop.
+        tiles = tk.TileTable(buf, [(o, o + n) for o, n, _ in slots])
+        sums = tiles.span_sumsq(buf, rows=2)
+        assert sums.dtype == torch.float64 and sums.numel() == len(slots)
+        for o, n, i in slots:
+            want = buf[o:o + n].double().square().sum().item()
+            assert math.isclose(sums[i].item(), want, rel_tol=1e-6, abs_tol=0), (dtype, i)
         buf[slots[4][0] + 5] = math.nan
         out = torch.zeros(len(slots) + 1, dtype=torch.float64)
         backend.segment_stats_(buf, table, 2.0, out, out)
