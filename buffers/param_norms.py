@@ -172,6 +172,55 @@ class _Union:
     wire_index: torch.Tensor  # their positions in the wire vector (total last)
 
 
+def gather_union(
+    names: Sequence[str], counted: Sequence[bool], group, device: torch.device
+) -> _Union:
+    """The names of every rank of ``group`` and this rank's place among them.
+
+    One ``all_gather_object`` (call it once per group and keep the result). A name counted
+    on some rank is reported from the counted copies only (uncounted copies are
+    duplicates); a name counted nowhere sums every rank's copy. Names must be unique on a
+    rank: parameters are matched across ranks by name.
+    """
+    import torch.distributed as dist
+
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            raise ValueError(
+                f"parameter name {name!r} is used twice (parameters {seen[name]} and {i}); "
+                "per-parameter norms over a process group match parameters by name, so "
+                "pass unique names (named_parameters())"
+            )
+        seen[name] = i
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (tuple(names), tuple(counted)), group=group)
+    order: dict[str, int] = {}
+    counted_any: list[bool] = []
+    for rank_names, rank_counted in gathered:
+        for name, c in zip(rank_names, rank_counted, strict=True):
+            if name not in order:
+                order[name] = len(order)
+                counted_any.append(False)
+            counted_any[order[name]] |= c
+    sent = [i for i, name in enumerate(names) if counted[i] or not counted_any[order[name]]]
+    return _Union(
+        tuple(order),
+        tuple(counted_any),
+        torch.tensor([*sent, len(names)], dtype=torch.int64, device=device),
+        torch.tensor(
+            [order[names[i]] for i in sent] + [len(order)], dtype=torch.int64, device=device
+        ),
+    )
+
+
+def to_wire(local: torch.Tensor, union: _Union) -> torch.Tensor:
+    """This rank's part of the shared vector ``[stat per union name..., total]`` from its
+    local ``[stat per name..., total]`` (zeros where it sends nothing)."""
+    out = torch.zeros(len(union.names) + 1, dtype=local.dtype, device=local.device)
+    return out.index_copy_(0, union.wire_index, local.index_select(0, union.local_index))
+
+
 class ParamNormPass:
     """Per-parameter stats of every flat buffer in one segmented pass each (built once).
 
@@ -235,59 +284,15 @@ class ParamNormPass:
         return out
 
     def union(self, group, key: object) -> _Union:
-        """The names of every rank of ``group`` and this rank's place among them.
-
-        Gathered once per group (one ``all_gather_object``, at the first per-parameter call
-        over it), then kept under ``key``. A name counted on some rank is reported from the
-        counted copies only (uncounted copies are duplicates); a name counted nowhere sums
-        every rank's copy.
-        """
-        if key in self._unions:
-            return self._unions[key]
-        import torch.distributed as dist
-
-        seen: dict[str, int] = {}
-        for i, name in enumerate(self.names):
-            if name in seen:
-                raise ValueError(
-                    f"parameter name {name!r} is used twice (parameters {seen[name]} and {i}); "
-                    "per-parameter norms over a process group match parameters by name, so "
-                    "pass unique names (named_parameters())"
-                )
-            seen[name] = i
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (self.names, self.counted), group=group)
-        order: dict[str, int] = {}
-        counted_any: list[bool] = []
-        for names, counted in gathered:
-            for name, c in zip(names, counted, strict=True):
-                if name not in order:
-                    order[name] = len(order)
-                    counted_any.append(False)
-                counted_any[order[name]] |= c
-        sent = [
-            i
-            for i, name in enumerate(self.names)
-            if self.counted[i] or not counted_any[order[name]]
-        ]
-        size = len(order)
-        union = _Union(
-            tuple(order),
-            tuple(counted_any),
-            torch.tensor([*sent, self.n], dtype=torch.int64, device=self.device),
-            torch.tensor(
-                [order[self.names[i]] for i in sent] + [size],
-                dtype=torch.int64,
-                device=self.device,
-            ),
-        )
-        self._unions[key] = union
-        return union
+        """The names of every rank of ``group`` and this rank's place among them
+        (:func:`gather_union`, once per group, kept under ``key``)."""
+        if key not in self._unions:
+            self._unions[key] = gather_union(self.names, self.counted, group, self.device)
+        return self._unions[key]
 
     def wire(self, local: torch.Tensor, union: _Union) -> torch.Tensor:
         """This rank's part of the shared vector ``[stat per union name..., total]``."""
-        out = torch.zeros(len(union.names) + 1, dtype=torch.float64, device=self.device)
-        return out.index_copy_(0, union.wire_index, local.index_select(0, union.local_index))
+        return to_wire(local, union)
 
     def finished(self, stats: torch.Tensor, p: float) -> torch.Tensor:
         """``[norm per name..., total norm]`` from ``[stat per name..., total stat]``, as

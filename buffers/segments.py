@@ -168,3 +168,48 @@ def torch_segment_stats_(
         _add_to(out, nan, table.block_seg, blocks, p)
     if table.sub_ids.numel():
         _add_to(out, nan, table.sub_seg, subs.index_select(0, table.sub_ids), p)
+
+
+class SpanSegments:
+    """Per-segment power sums over given spans of one 1-D tensor (built once, reused).
+
+    For layouts the plan does not describe (megatron-core's buffers, where a rank owns only
+    some elements and the rest must not be read): ``spans`` are ``(lo, hi, id)``, any
+    number per id, never overlapping. On CUDA with the Triton backend and p = 2 one tile
+    launch covers every span and one more adds each span's tiles in fp64 (as
+    :meth:`TritonBackend.segment_stats_ <buffers.ops.TritonBackend.segment_stats_>`);
+    otherwise one ``vector_norm`` per span (the fallback: the CPU and other orders).
+    """
+
+    def __init__(self, base: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> None:
+        if base.dim() != 1 or not base.is_contiguous():
+            raise ValueError("SpanSegments needs a contiguous 1-D tensor")
+        self.base = base
+        self.spans = tuple((lo, hi, i) for lo, hi, i in spans if hi > lo)
+        for lo, hi, _ in self.spans:
+            if lo < 0 or hi > base.numel():
+                raise ValueError(f"span [{lo}, {hi}) is outside a tensor of {base.numel()}")
+        self.ids = torch.tensor([i for _, _, i in self.spans], dtype=torch.int64).to(base.device)
+        self._tiles = None
+
+    def add_(self, out: torch.Tensor, nan: torch.Tensor, p: float, backend) -> None:
+        """Add each span's sum of |x|^p (max |x| for inf) into the fp64 ``out[id]``."""
+        if not self.spans:
+            return
+        if p == 2.0 and backend.name == "triton" and self._triton_ok():
+            if self._tiles is None:
+                from . import triton_kernels as tk
+
+                self._tiles = tk.TileTable(self.base, [(lo, hi) for lo, hi, _ in self.spans])
+            out.index_add_(0, self.ids, self._tiles.span_sumsq(self.base))
+            return
+        acc = torch.promote_types(self.base.dtype, torch.float32)
+        norms = torch.stack(
+            [torch.linalg.vector_norm(self.base[lo:hi], p, dtype=acc) for lo, hi, _ in self.spans]
+        ).double()
+        _add_to(out, nan, self.ids, norms if p == math.inf else norms.pow(p), p)
+
+    def _triton_ok(self) -> bool:
+        from . import triton_kernels as tk
+
+        return self.base.is_cuda and self.base.dtype in tk.DTYPES

@@ -15,6 +15,7 @@ from . import offload, seam
 from .ddp import counted_records
 from .layout import BufferLayout
 from .options import MegatronOptions
+from .param_norms import MegatronParamNorms, concat_norms, global_param_names
 from .targets import FlatOptimizerState, buffer_target, mirror_view
 
 DistributedOptimizer = seam.target("DistributedOptimizer")
@@ -98,7 +99,12 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
     children = opt.chained_optimizers if isinstance(opt, ChainedOptimizer) else [opt]
     placed = placed_buffers(model_chunks)
     _check_no_separate_norm_groups(opt)
+    names: dict[int, str] = {}  # global names, for per-parameter norms
+    for m in model_chunks:
+        names.update(global_param_names(m.module))
+    opt._flat_names = names
     for child in children:
+        child._flat_names = names
         _check_supported(child)
         child._flat = _build_state(child, placed, options)
         child.__class__ = _flat_class(type(child))
@@ -318,6 +324,20 @@ class FlatNormOptimizer:
         torch.distributed.all_reduce(zeros, group=self.get_grad_stats_parallel_group())
         return zeros
 
+    @torch.no_grad()
+    def per_param_grad_norms(self):
+        """Every parameter's gradient norm and the total, from one pass, one all-reduce.
+
+        Returns a :class:`buffers.ParamNorms`: ``total`` (what :meth:`get_grad_norm`
+        returns, up to summation order), ``norms`` (a device vector), ``names`` (global:
+        :mod:`megatron_ext.param_norms`) and ``counted``; ``.as_dict()`` is
+        ``{name: norm}``, copied to the host only when read; ``.by_group(index)`` folds
+        them into layers or module types on the device. Reads what the norm reads (call
+        it where :meth:`get_grad_norm` would be called: after the gradients are reduced,
+        before clipping), over the same process group. No host sync.
+        """
+        return _per_param(self, [self], self.get_grad_stats_parallel_group())
+
     def sharded_state_dict(self, model_sharded_state_dict, *args, **kwargs):
         """megatron-core's, with the ids right when fp32 parameters sit in a group.
 
@@ -465,6 +485,24 @@ class FlatChainedOptimizer:
         return grad_norm
 
     @torch.no_grad()
+    def per_param_grad_norms(self):
+        """As :meth:`FlatNormOptimizer.per_param_grad_norms`, over every child: one pass
+        and one all-reduce when the children share a group, else one per child (as
+        :meth:`get_grad_norm`), the total then combined as megatron-core combines norms."""
+        children = self.chained_optimizers
+        if len(children) == 1:
+            return children[0].per_param_grad_norms()
+        if self.grads_states_parallel_group_is_shared():
+            return _per_param(self, children, children[0].get_grad_stats_parallel_group())
+        return concat_norms([c.per_param_grad_norms() for c in children])
+
+    def request_per_param_grad_norms(self) -> None:
+        """Make the next :meth:`step` compute every parameter's norm in its norm pass (one
+        read, as without) and keep them in ``last_per_param_grad_norms`` (a
+        :class:`buffers.ParamNorms`); that step clips by their total."""
+        self._flat_per_param_requested = True
+
+    @torch.no_grad()
     def count_zeros(self):
         children = self.chained_optimizers
         if self.grads_states_parallel_group_is_shared():
@@ -482,7 +520,15 @@ class FlatChainedOptimizer:
             return False, None, None
         children = [c for c in self._active() if c._flat.targets]
         clips = {c.config.clip_grad for c in children}
-        if len(self.chained_optimizers) == 1 and children and children[0].config.clip_grad > 0:
+        if self.__dict__.pop("_flat_per_param_requested", False):
+            # The per-parameter pass is the norm pass: its total clips, as get_grad_norm's.
+            per_param = self.per_param_grad_norms()
+            self.last_per_param_grad_norms = per_param
+            grad_norm = per_param.total
+            for child in children:
+                if child.config.clip_grad > 0.0:
+                    child._flat_scale(grad_norm, child.config.clip_grad)
+        elif len(self.chained_optimizers) == 1 and children and children[0].config.clip_grad > 0:
             # One child: norm and clip as one fused sequence around the all-reduce.
             grad_norm = children[0]._flat_clip(children[0].config.clip_grad)
         elif len(clips) == 1 and min(clips) > 0.0 and self.grads_states_parallel_group_is_shared():
@@ -501,6 +547,37 @@ class FlatChainedOptimizer:
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         ok = False if skip else self.step_with_ready_grads()
         return ok, grad_norm, num_zeros
+
+
+def _per_param(owner, children, group):
+    """Per-parameter norms over ``children``'s flat targets, reduced over ``group``.
+
+    The stats pass and (NCCL) the all-reduce replay as one CUDA graph, as the norm does;
+    gloo groups reduce between replays. Built at the first call, then kept.
+    """
+    from buffers.param_norms import ParamNorms, gather_union, to_wire
+
+    nc = owner._flat_norm_clip
+    pn = owner.__dict__.get("_flat_param_norms")
+    if pn is None:
+        targets = [t for c in children for t in c._flat.targets]
+        pn = MegatronParamNorms(targets, owner._flat_names, nc.device, nc.options)
+        owner._flat_param_norms = pn
+    reduce, capture_reduce, reduce_key = FlatNormOptimizer._flat_reducer(owner, group)
+    unions = owner.__dict__.setdefault("_flat_unions", {})
+    if reduce_key not in unions:
+        unions[reduce_key] = gather_union(pn.names, pn.counted, group, nc.device)
+    union = unions[reduce_key]
+
+    def finished(stats):
+        return ops.finish_norm(stats, 2.0).float()
+
+    if capture_reduce:
+        key = ("per_param_reduced", reduce_key)
+        vec = nc.replay(key, lambda: finished(reduce(to_wire(pn.local(), union)))).clone()
+    else:
+        vec = finished(reduce(to_wire(nc.replay(("per_param_stats",), pn.local), union)))
+    return ParamNorms(vec[-1], vec[:-1], union.names, union.counted, 2.0)
 
 
 _CLASSES: dict[type, type] = {}

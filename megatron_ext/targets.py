@@ -29,6 +29,7 @@ class BufferTarget:
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src)
     mirror: torch.Tensor | None = None  # fp32 copy of this rank's shard, when one is needed
     buffer: object = None  # the megatron-core buffer itself
+    norm_reads_mirror: bool = False  # norm_views are views of ``mirror``, not the buffer
 
 
 @dataclass
@@ -105,6 +106,7 @@ def buffer_target(
         target.scale_views = [mirror]
         if norm_reads_mirror:
             target.norm_views = _views(mirror, to_local(spans.norm, spans.owned))
+            target.norm_reads_mirror = True
     else:
         target.scale_views = _views(grad, spans.owned)
     if island is not None:

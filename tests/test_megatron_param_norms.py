@@ -1,0 +1,181 @@
+"""Per-parameter norms of megatron-core optimizers (megatron_ext.param_norms), on the CPU.
+
+Ranks are simulated as in tests/test_megatron_distopt_ranks.py: megatron-core's own range
+functions decide what each data-parallel rank owns; each rank's stats are computed in
+turn, the names are matched across ranks as the all-gather would, and the per-rank wire
+vectors are summed as the all-reduce would. Oracle: fp64 norms of each parameter's whole,
+unsharded gradient.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.module import param_is_not_shared
+
+from buffers.param_norms import gather_union, to_wire
+from megatron_ext.optimizer import _build_state
+from megatron_ext.param_norms import MegatronParamNorms, global_param_names
+from tests.support.fakes import FakeGroup
+from tests.test_megatron_distopt_ranks import child_for_rank
+
+
+def names_of(bufs, placed):
+    """id(param) -> the name megatron_ext.DistributedDataParallel's layout gave it."""
+    out = {}
+    for buf, (_, layout, _) in zip(bufs, placed, strict=True):
+        by_span = {(r.start, r.end): r.name for r in layout.records}
+        for p, (s, e, _) in buf.param_index_map.items():
+            out[id(p)] = by_span[(s, e)]
+    return out
+
+
+def fp64_norms(bufs, names):
+    return {
+        names[id(p)]: buf.grad_data[s:e].double().norm().item()
+        for buf in bufs
+        for p, (s, e, _) in buf.param_index_map.items()
+    }
+
+
+def reference(dp):
+    """fp64 norm of each parameter's whole gradient, from a fresh (never unscaled) build."""
+    _, bufs, placed, _ = child_for_rank(dp, 0)
+    return fp64_norms(bufs, names_of(bufs, placed))
+
+
+def reduce_ranks(monkeypatch, per_rank):
+    """Sum every rank's wire vector as one all-reduce would; names gathered as
+    all_gather_object would. ``per_rank``: MegatronParamNorms, one per rank."""
+    everyone = [(pn.names, pn.counted) for pn in per_rank]
+
+    def all_gather_object(gathered, obj, group=None):
+        assert obj in everyone
+        gathered[:] = everyone
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: len(everyone))
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    unions = [gather_union(pn.names, pn.counted, None, torch.device("cpu")) for pn in per_rank]
+    assert all(u.names == unions[0].names for u in unions)
+    summed = sum(to_wire(pn.local(2.0), u) for pn, u in zip(per_rank, unions, strict=True))
+    return unions[0], summed.sqrt()
+
+
+def build_rank(dp, rank, *, tp_rank=0, scaled=False, scale=1.0):
+    child, bufs, placed, _ = child_for_rank(dp, rank, scaled=scaled)
+    child.tp_group = FakeGroup(tp_rank, 2 if tp_rank else 1)
+    state = _build_state(child, placed)
+    for dst, src in (c for t in state.targets for c in t.copies):
+        dst.copy_(src)
+    if scaled:  # megatron-core's unscale, in place, on what the optimizer reads
+        for _, _, view in state.bindings:
+            view.div_(scale)
+    names = names_of(bufs, placed)
+    return MegatronParamNorms(state.targets, names, torch.device("cpu")), bufs, names, state
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_distributed_optimizer_shards_add_up_to_each_parameters_fp64_norm(monkeypatch, dp):
+    per_rank = [build_rank(dp, r) for r in range(dp)]
+    union, norms = reduce_ranks(monkeypatch, [x[0] for x in per_rank])
+    bufs = per_rank[0][1]
+    want = reference(dp)
+    assert set(union.names) == set(want)  # every parameter, owned on some rank or not
+    for i, name in enumerate(union.names):
+        assert math.isclose(norms[i].item(), want[name], rel_tol=1e-6), (dp, name)
+    # The total is the counted parameters' norm: the shared one is reported, not counted.
+    counted = sum(
+        buf.grad_data[s:e].double().square().sum().item()
+        for buf in bufs
+        for p, (s, e, _) in buf.param_index_map.items()
+        if param_is_not_shared(p)
+    )
+    assert math.isclose(norms[-1].item(), math.sqrt(counted), rel_tol=1e-6)
+    shared = [n for n, c in zip(union.names, union.counted, strict=True) if not c]
+    assert shared == ["bf16.2"]
+    # sqrt of the sum of the counted squares is the total
+    sq = sum(norms[i].item() ** 2 for i, c in enumerate(union.counted) if c)
+    assert math.isclose(math.sqrt(sq), norms[-1].item(), rel_tol=1e-6)
+    # and equals what the optimizer's own total norm reads (its norm views), over ranks
+    total = sum(
+        v.double().square().sum().item() for x in per_rank for g in x[3].norm_groups for v in g
+    )
+    assert math.isclose(norms[-1].item(), math.sqrt(total), rel_tol=1e-6)
+
+
+def test_with_a_loss_scaler_the_norms_read_the_unscaled_copies(monkeypatch):
+    dp, scale = 2, 1024.0
+    per_rank = [build_rank(dp, r, scaled=True, scale=scale) for r in range(dp)]
+    assert all(t.norm_reads_mirror for x in per_rank for t in x[3].targets if t.mirror is not None)
+    union, norms = reduce_ranks(monkeypatch, [x[0] for x in per_rank])
+    want = reference(dp)
+    for i, name in enumerate(union.names):
+        assert math.isclose(norms[i].item(), want[name] / scale, rel_tol=1e-6), name
+
+
+def test_tensor_parallel_duplicates_are_reported_once(monkeypatch):
+    # Two TP ranks x two DP ranks holding the same replicated parameters: TP rank 1's
+    # copies are duplicates (uncounted), so each norm must come from TP rank 0 alone.
+    ranks = [build_rank(2, dp_rank, tp_rank=tp) for tp in (0, 1) for dp_rank in (0, 1)]
+    assert not any(ranks[2][0].counted) and all(
+        c for n, c in zip(ranks[0][0].names, ranks[0][0].counted, strict=True) if n != "bf16.2"
+    )
+    union, norms = reduce_ranks(monkeypatch, [x[0] for x in ranks])
+    want = reference(2)
+    for i, name in enumerate(union.names):
+        # bf16.2 is counted nowhere (shared): every copy adds, here two (one per TP rank)
+        factor = math.sqrt(2) if name == "bf16.2" else 1.0
+        assert math.isclose(norms[i].item(), want[name] * factor, rel_tol=1e-6), name
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, number, experts=None):
+        super().__init__()
+        self.layer_number = number
+        self.norm = torch.nn.Linear(2, 2, bias=False)
+        if experts is not None:
+            self.mlp = experts
+
+
+class _Sequential(torch.nn.Module):
+    def __init__(self, ep_rank, ep, local):
+        super().__init__()
+        self.ep_group = FakeGroup(ep_rank, ep)
+        self.num_local_experts = local
+        self.local_experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(local))
+
+
+class _Grouped(torch.nn.Module):
+    def __init__(self, ep_rank, ep, local):
+        super().__init__()
+        self.ep_group = FakeGroup(ep_rank, ep)
+        self.num_local_experts = local
+        self.fc = torch.nn.Module()
+        for i in range(local):
+            self.fc.register_parameter(f"weight{i}", torch.nn.Parameter(torch.zeros(2)))
+
+
+def test_global_names_use_global_layer_and_expert_indices():
+    # The second pipeline stage of a 4-layer model (layer numbers 3 and 4, 1-based) on
+    # expert rank 1 of 2 with 2 local experts per rank.
+    decoder = torch.nn.Module()
+    decoder.layers = torch.nn.ModuleList(
+        [_Layer(3, _Sequential(1, 2, 2)), _Layer(4, _Grouped(1, 2, 2))]
+    )
+    model = torch.nn.Module()
+    model.decoder = decoder
+    names = set(global_param_names(model).values())
+    assert names == {
+        "decoder.layers.2.norm.weight",
+        "decoder.layers.2.mlp.local_experts.2.weight",
+        "decoder.layers.2.mlp.local_experts.2.bias",
+        "decoder.layers.2.mlp.local_experts.3.weight",
+        "decoder.layers.2.mlp.local_experts.3.bias",
+        "decoder.layers.3.norm.weight",
+        "decoder.layers.3.mlp.fc.weight2",
+        "decoder.layers.3.mlp.fc.weight3",
+    }
+    # A module without layer numbers or expert groups keeps named_parameters()'s names.
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert set(global_param_names(plain).values()) == {n for n, _ in plain.named_parameters()}
