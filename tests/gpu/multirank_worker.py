@@ -15,6 +15,10 @@ with each, and checks on every step:
 - the norm against stock's where stock runs, and parameters after the steps against
   stock's within bf16 rounding (where stock cannot build, against an fp64 reference and a
   run of ours without offload);
+- from the second step on, ours computes every parameter's norm in the step's norm pass
+  (``request_per_param_grad_norms``): each against the fp64 norm of that name's full
+  gradient (all its pieces), their total equal to the step's norm, the root of the
+  counted squares equal to the total;
 - the collectives each optimizer step issues (function, reduce op, group) against stock's;
 - the runtime norm-ownership audit.
 
@@ -298,7 +302,8 @@ def owned_pieces(model, ranks, distributed):
 
 
 def reference_norm(model, ranks, distributed, scale):
-    """fp64 norm over the full gradients, every element once, from every rank's pieces."""
+    """fp64 norm over the full gradients, every element once, from every rank's pieces;
+    and per parameter name (its every tensor-parallel piece, expert rank and stage)."""
     mine = owned_pieces(model, ranks, distributed)
     everyone = [None] * dist.get_world_size()
     global RECORDING
@@ -315,6 +320,7 @@ def reference_norm(model, ranks, distributed, scale):
                 continue
             have[lo] = values
     total = 0.0
+    per_name: dict[str, float] = {}
     for key, parts in full.items():
         numel = key[-1]
         pos = 0
@@ -322,10 +328,13 @@ def reference_norm(model, ranks, distributed, scale):
             if lo != pos:
                 raise AssertionError(f"{key}: elements [{pos}, {lo}) were sent by no rank")
             pos += len(parts[lo])
-            total += math.fsum(v * v for v in parts[lo])
+            sq = math.fsum(v * v for v in parts[lo])
+            total += sq
+            name = key[1].replace(".", "_")  # as registered on the chunk
+            per_name[name] = per_name.get(name, 0.0) + sq
         if pos != numel:
             raise AssertionError(f"{key}: elements [{pos}, {numel}) were sent by no rank")
-    return math.sqrt(total) / scale
+    return math.sqrt(total) / scale, {n: math.sqrt(v) / scale for n, v in per_name.items()}
 
 
 def run_steps(cfg, model, opt, ranks, *, option, inf_at=None):
@@ -345,15 +354,55 @@ def run_steps(cfg, model, opt, ranks, *, option, inf_at=None):
         if step == inf_at and ranks["world"] == 0:
             next(iter(model.module.parameters())).main_grad.view(-1)[3] = float("inf")
         model.finish_grad_sync()
-        ref = None if step == inf_at else reference_norm(model, ranks, distributed, scale)
+        ref, ref_names = (None, None)
+        if step != inf_at:
+            ref, ref_names = reference_norm(model, ranks, distributed, scale)
+        # Ours, from the second step on: the step's norm pass is the per-parameter one.
+        per_param = option and step >= 1
+        if per_param:
+            opt.last_per_param_grad_norms = None
+            opt.request_per_param_grad_norms()
         RECORDING = []
         ok, norm, _ = opt.step()
         calls, RECORDING = RECORDING, None
+        pp = check_per_param(opt, norm, ref, ref_names) if per_param and ref else None
+        if option and step == 0:
+            # Gathers the names across ranks once (all_gather_object) before the steps
+            # whose collectives are compared with stock's; its values are not used.
+            opt.per_param_grad_norms()
         out.append(dict(ok=bool(ok), norm=None if norm is None else float(norm), ref=ref,
-                        scale=scale, calls=calls))  # fmt: skip
+                        scale=scale, calls=calls, per_param=pp))  # fmt: skip
     if option:
         megatron_ext.audit_norm_ownership([model], opt)
     return out
+
+
+def check_per_param(opt, norm, ref, ref_names):
+    """The step's per-parameter norms against fp64 per name; their total against the
+    step's norm and against the root of the counted squares. Returns the numbers."""
+    pn = opt.last_per_param_grad_norms
+    if pn is None:
+        return {"error": "the step kept no per-parameter norms"}
+    values = pn.as_dict()
+    worst, missing = 0.0, []
+    for name, counted in zip(pn.names, pn.counted, strict=True):
+        if not counted:
+            continue  # a shared (tied) weight: counted nowhere, not in the reference
+        if name not in ref_names:
+            missing.append(name)
+            continue
+        want = ref_names[name]
+        worst = max(worst, abs(values[name] - want) / max(want, 1e-30))
+    counted_sq = math.fsum(values[n] ** 2 for n, c in zip(pn.names, pn.counted, strict=True) if c)
+    return {
+        "n": len(pn.names),
+        "max_rel_err": worst,
+        "missing": missing + sorted(set(ref_names) - set(pn.names)),
+        "total_vs_step_norm": abs(float(pn.total) - float(norm)) / float(norm),
+        "root_of_counted_squares_vs_total": abs(math.sqrt(counted_sq) - float(pn.total))
+        / float(pn.total),
+        "total_vs_fp64": abs(float(pn.total) - ref) / ref,
+    }
 
 
 def params_of(model):
@@ -390,6 +439,22 @@ def check_config(name, cfg, log):
                 )
             if not s["ref"] > CLIP:
                 failures.append(f"step {i}: clipping was not active (norm {s['norm']})")
+            pp = s["per_param"]
+            if i >= 1 and pp is None:
+                failures.append(f"step {i}: no per-parameter norms were checked")
+            elif pp is not None:
+                bad = (
+                    pp.get("error")
+                    or pp["missing"]
+                    or not (
+                        pp["max_rel_err"] <= 1e-6
+                        and pp["total_vs_step_norm"] == 0.0
+                        and pp["root_of_counted_squares_vs_total"] <= 1e-6
+                        and pp["total_vs_fp64"] <= 1e-6
+                    )
+                )
+                if bad:
+                    failures.append(f"step {i}: per-parameter norms {pp}")
         if inf_at is not None and ours[inf_at]["ok"]:
             failures.append(f"step {inf_at} had an inf gradient and was not skipped")
         try:
