@@ -284,10 +284,22 @@ def flat_megatron(named: NamedParams, device: torch.device) -> Prepared:
         # scale", so pass the smallest positive value instead (coefficient ~0 every call).
         return opt.clip_grad_norm(max_norm if max_norm > 0 else 1e-30)
 
+    order: list[torch.Tensor] = []  # inventory index -> position in the optimizer's names
+
+    def per_param() -> torch.Tensor:
+        result = opt.per_param_grad_norms()
+        if not order:
+            at = {n: i for i, n in enumerate(result.names)}
+            keys = [at[n.replace(".", "__")] for n, _ in named]
+            order.append(torch.tensor(keys, dtype=torch.int64, device=device))
+        # One index_select more than flat's row: the benchmark wants inventory order.
+        return result.norms.index_select(0, order[0])
+
     return Prepared(
         [p.main_grad for _, p in named],
         opt.get_grad_norm,
         clip,
+        per_param,
         {
             "variant": "flat",
             "path": "megatron_spans",
