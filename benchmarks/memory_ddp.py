@@ -3,8 +3,9 @@
 CUDA only, one GPU, one rank. The model is a stack of bf16 ``Linear`` layers with a few
 fp32 parameters (a hyper-connection-like weight per layer and a sink vector). Each
 configuration builds the model, wraps it with ``megatron_ext.DistributedDataParallel``,
-builds the optimizer with ``megatron_ext.get_megatron_optimizer`` and runs one training
-step; the record holds the peak allocated memory over all of that.
+builds the optimizer with ``megatron_ext.get_megatron_optimizer`` (both through
+``megatron_ext.build_stack``) and runs one training step; the record holds the peak
+allocated memory over all of that.
 """
 
 from __future__ import annotations
@@ -75,23 +76,12 @@ def _release() -> None:
 
 def _load_api() -> SimpleNamespace:
     """The parts of ``megatron_ext`` this measurement uses; ImportError when one is missing."""
-    from megatron_ext import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        get_megatron_optimizer,
-        mark_keep_in_fp32,
-    )
+    from megatron_ext import build_stack, mark_keep_in_fp32
 
-    return SimpleNamespace(
-        DistributedDataParallel=DistributedDataParallel,
-        DistributedDataParallelConfig=DistributedDataParallelConfig,
-        get_megatron_optimizer=get_megatron_optimizer,
-        mark_keep_in_fp32=mark_keep_in_fp32,
-    )
+    return SimpleNamespace(build_stack=build_stack, mark_keep_in_fp32=mark_keep_in_fp32)
 
 
 def _measure_config(api, per_dtype: bool, fp32_reduce: bool, hidden: int, layers: int) -> dict:
-    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
 
     _release()
@@ -107,16 +97,14 @@ def _measure_config(api, per_dtype: bool, fp32_reduce: bool, hidden: int, layers
         bf16=True,
         params_dtype=torch.bfloat16,
     )
-    ddp_config = api.DistributedDataParallelConfig(
+    stack = api.build_stack(
+        module,
+        config,
         per_dtype_grad_buffers=per_dtype,
-        use_distributed_optimizer=True,
-        grad_reduce_in_fp32=fp32_reduce,
+        ddp=dict(grad_reduce_in_fp32=fp32_reduce),
+        optimizer=dict(lr=1e-3, bf16=True, clip_grad=1.0),
     )
-    model = api.DistributedDataParallel(config, ddp_config, module)
-    optimizer = api.get_megatron_optimizer(
-        OptimizerConfig(lr=1e-3, bf16=True, use_distributed_optimizer=True, clip_grad=1.0),
-        [model],
-    )
+    model, optimizer = stack.model, stack.optimizer
     _train_step(model, optimizer, hidden)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before

@@ -99,24 +99,16 @@ def _model(args, fp32_islands: bool):
 
 
 def _build(args, option: bool, overrides: dict, fp32_islands: bool):
-    from megatron.core.optimizer import OptimizerConfig
-
     import megatron_ext
 
     config, module = _model(args, fp32_islands)
-    ddp_config = megatron_ext.DistributedDataParallelConfig(
-        per_dtype_grad_buffers=option, use_distributed_optimizer=True
+    stack = megatron_ext.build_stack(
+        module,
+        config,
+        per_dtype_grad_buffers=option,
+        optimizer=dict(optimizer="adam", lr=1e-4, bf16=True, clip_grad=1.0, **overrides),
     )
-    model = megatron_ext.DistributedDataParallel(config, ddp_config, module)
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=1e-4,
-        bf16=True,
-        clip_grad=1.0,
-        use_distributed_optimizer=True,
-        **overrides,
-    )
-    return model, megatron_ext.get_megatron_optimizer(opt_config, [model])
+    return stack.model, stack.optimizer
 
 
 def _timed(fn) -> tuple[float, object]:

@@ -9,7 +9,6 @@ import os
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import megatron_ext
@@ -50,21 +49,22 @@ def main() -> None:
         bf16=True,
         params_dtype=torch.bfloat16,
     )
-    ddp_config = megatron_ext.DistributedDataParallelConfig(
-        per_dtype_grad_buffers=True, use_distributed_optimizer=True, grad_reduce_in_fp32=False
+    # per-dtype buffers and the distributed optimizer are build_stack's defaults; bf16
+    # comes from the transformer config
+    stack = megatron_ext.build_stack(
+        Block(hidden).cuda(),
+        config,
+        ddp=dict(grad_reduce_in_fp32=False),
+        optimizer=dict(
+            optimizer="adam",
+            lr=1e-3,
+            clip_grad=1.0,
+            use_precision_aware_optimizer=True,
+            optimizer_cpu_offload=True,
+            optimizer_offload_fraction=0.5,
+        ),
     )
-    model = megatron_ext.DistributedDataParallel(config, ddp_config, Block(hidden).cuda())
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=1e-3,
-        bf16=True,
-        clip_grad=1.0,
-        use_distributed_optimizer=True,
-        use_precision_aware_optimizer=True,
-        optimizer_cpu_offload=True,
-        optimizer_offload_fraction=0.5,
-    )
-    optimizer = megatron_ext.get_megatron_optimizer(opt_config, [model])
+    model, optimizer = stack.model, stack.optimizer
     for buf in model.all_grad_buffers():
         print(f"grad buffer {buf.grad_dtype}: {buf.numel:,} elements")
 

@@ -5,6 +5,10 @@ Adopt it by swapping three names::
     cfg = megatron_ext.DistributedDataParallelConfig(per_dtype_grad_buffers=True, ...)
     model = megatron_ext.DistributedDataParallel(transformer_config, cfg, module)
     opt = megatron_ext.get_megatron_optimizer(optimizer_config, [model])
+
+or build all three in one call, the two configs agreeing on the distributed optimizer::
+
+    stack = megatron_ext.build_stack(module, transformer_config, optimizer=dict(lr=1e-3))
 """
 
 from . import seam
@@ -18,17 +22,20 @@ from .install import install, uninstall
 from .norm_audit import AuditResult, NormOwnershipError, audit_norm_ownership, explain_norm
 from .optimizer import enable_flat_norm, get_megatron_optimizer
 from .options import MegatronOptions
+from .stack import Stack, build_stack
 
 __all__ = [
     "AuditResult",
     "NormOwnershipError",
     "audit_norm_ownership",
+    "build_stack",
     "explain_norm",
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
     "Float16Module",
     "LayoutMismatchError",
     "MegatronOptions",
+    "Stack",
     "cast_marked_to_fp32",
     "enable_flat_norm",
     "get_megatron_optimizer",

@@ -104,6 +104,10 @@ ENTRIES: tuple[Entry, ...] = (
           "megatron-core 0.19 casts every parameter to bf16/fp16",
           params=("config", "module")),
     # -- optimizer construction -------------------------------------------------------------
+    Entry("OptimizerConfig", "megatron.core.optimizer:OptimizerConfig", "call",
+          "build_stack builds it from a mapping, use_distributed_optimizer set to agree with "
+          "the DDP config", "one argument says whether the distributed optimizer is on",
+          attrs=("use_distributed_optimizer", "bf16", "fp16")),
     Entry("get_megatron_optimizer", "megatron.core.optimizer:get_megatron_optimizer", "call",
           "builds the optimizers, then swaps their classes (below)",
           "same signature and return types as megatron-core's",

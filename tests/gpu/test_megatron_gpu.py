@@ -84,7 +84,6 @@ STOCK_FAILS = {k for k, v in KINDS.items() if v.get("optimizer_cpu_offload")}
 
 
 def build(kind, option, fp32_first=False, patterns=(), seed=0):
-    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_ext
@@ -105,16 +104,15 @@ def build(kind, option, fp32_first=False, patterns=(), seed=0):
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
-    ddp_cfg = megatron_ext.DistributedDataParallelConfig(
+    stack = megatron_ext.build_stack(
+        module,
+        tcfg,
         per_dtype_grad_buffers=option,
-        use_distributed_optimizer=opts["use_distributed_optimizer"],
-        param_name_patterns_for_fp32_local_accumulation=patterns,
-        **ddp_overrides,
+        distributed_optimizer=opts.pop("use_distributed_optimizer"),
+        ddp=dict(param_name_patterns_for_fp32_local_accumulation=patterns, **ddp_overrides),
+        optimizer=dict(optimizer="adam", lr=1e-3, bf16=bf16, clip_grad=MAX_NORM, **opts),
     )
-    model = megatron_ext.DistributedDataParallel(tcfg, ddp_cfg, module)
-    ocfg = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, clip_grad=MAX_NORM, **opts)
-    opt = megatron_ext.get_megatron_optimizer(ocfg, [model])
-    return model, opt
+    return stack.model, stack.optimizer
 
 
 def data(seed=1):

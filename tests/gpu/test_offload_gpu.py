@@ -74,7 +74,6 @@ class Net(torch.nn.Module):
 
 def build(*, fraction, pa, overlap, fp32_first=False, grads_fp32=False, host_mirrors=True,
           with_fp32=True):  # fmt: skip
-    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_ext
@@ -88,26 +87,24 @@ def build(*, fraction, pa, overlap, fp32_first=False, grads_fp32=False, host_mir
         bf16=True,
         params_dtype=torch.bfloat16,
     )
-    ddp_cfg = megatron_ext.DistributedDataParallelConfig(
-        per_dtype_grad_buffers=True, use_distributed_optimizer=True, grad_reduce_in_fp32=grads_fp32
+    stack = megatron_ext.build_stack(
+        module,
+        tcfg,
+        ddp=dict(grad_reduce_in_fp32=grads_fp32),
+        optimizer=dict(
+            optimizer="adam",
+            lr=1e-2,
+            weight_decay=0.1,
+            bf16=True,
+            clip_grad=MAX_NORM,
+            use_precision_aware_optimizer=pa,
+            optimizer_cpu_offload=True,
+            optimizer_offload_fraction=fraction,
+            overlap_cpu_optimizer_d2h_h2d=overlap,
+        ),
+        options=megatron_ext.MegatronOptions(host_mirrors=host_mirrors),
     )
-    model = megatron_ext.DistributedDataParallel(tcfg, ddp_cfg, module)
-    ocfg = OptimizerConfig(
-        optimizer="adam",
-        lr=1e-2,
-        weight_decay=0.1,
-        bf16=True,
-        clip_grad=MAX_NORM,
-        use_distributed_optimizer=True,
-        use_precision_aware_optimizer=pa,
-        optimizer_cpu_offload=True,
-        optimizer_offload_fraction=fraction,
-        overlap_cpu_optimizer_d2h_h2d=overlap,
-    )
-    opt = megatron_ext.get_megatron_optimizer(
-        ocfg, [model], options=megatron_ext.MegatronOptions(host_mirrors=host_mirrors)
-    )
-    return model, opt
+    return stack.model, stack.optimizer
 
 
 def hdos(opt):

@@ -59,7 +59,6 @@ def _model_class():
 def build(option: bool, seed: int = 0, distributed: bool = True, module_fn=None, **opt_overrides):
     """DDP (option on or off) and the optimizer around ``module_fn()`` (default: the
     checkpointable bf16/fp32 model), distributed optimizer unless ``distributed=False``."""
-    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_ext
@@ -73,15 +72,14 @@ def build(option: bool, seed: int = 0, distributed: bool = True, module_fn=None,
         params_dtype=torch.bfloat16,
     )
     module = module_fn() if module_fn is not None else _model_class()(config)
-    ddp_config = megatron_ext.DistributedDataParallelConfig(
-        per_dtype_grad_buffers=option, use_distributed_optimizer=distributed
+    stack = megatron_ext.build_stack(
+        module,
+        config,
+        per_dtype_grad_buffers=option,
+        distributed_optimizer=distributed,
+        optimizer=dict(optimizer="adam", lr=1e-3, bf16=True, clip_grad=0.05) | opt_overrides,
     )
-    model = megatron_ext.DistributedDataParallel(config, ddp_config, module)
-    settings = dict(clip_grad=0.05) | opt_overrides
-    opt_config = OptimizerConfig(
-        optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=distributed, **settings
-    )
-    return model, megatron_ext.get_megatron_optimizer(opt_config, [model])
+    return stack.model, stack.optimizer
 
 
 def batch(step: int):
