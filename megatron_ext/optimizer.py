@@ -502,6 +502,12 @@ class FlatChainedOptimizer:
         :class:`buffers.ParamNorms`); that step clips by their total."""
         self._flat_per_param_requested = True
 
+    def take_per_param_grad_norms(self):
+        """The :class:`buffers.ParamNorms` the last requested step kept, or None (no step
+        since the request, or it was skipped); clears them and any pending request."""
+        self.__dict__.pop("_flat_per_param_requested", None)
+        return self.__dict__.pop("last_per_param_grad_norms", None)
+
     @torch.no_grad()
     def count_zeros(self):
         children = self.chained_optimizers

@@ -274,6 +274,18 @@ ENTRIES: tuple[Entry, ...] = (
           "megatron_ext.Float16Module instead of megatron-core's",
           "megatron-core's Float16Module casts every parameter to bf16/fp16", since=(0, 19),
           params=("model_list", "transformer_config", "mixed_precision_wrapper")),
+    Entry("training step", "megatron.training.training:train_step", "wrap",
+          "with --log-per-layer-grad-norm, on steps whose iteration is logged: asks the "
+          "optimizer for per-parameter norms in that step's norm pass, then logs them per "
+          "layer (console, TensorBoard, W&B)", "the loop calls train_step(..., optimizer, "
+          "..., iteration=...) once per iteration; nothing else sees the step's norm pass",
+          since=(0, 19), params=("forward_step_func", "data_iterator", "model", "optimizer")),
+    Entry("training tensorboard", "megatron.training.global_vars:get_tensorboard_writer",
+          "call", "the run's TensorBoard writer (None on ranks without one)",
+          "per-layer norms go where Megatron-LM logs its grad norm", since=(0, 19), params=()),
+    Entry("training wandb", "megatron.training.global_vars:get_wandb_writer", "call",
+          "the run's W&B writer (None on ranks without one)",
+          "per-layer norms go where Megatron-LM logs its grad norm", since=(0, 19), params=()),
     Entry("dataset helpers build", "megatron.core.datasets.utils:compile_helpers", "replace",
           "skips `make` when megatron/core/datasets has no Makefile and the compiled helpers "
           "import (the megatron-core wheel)", "the wheel ships helpers_cpp but no Makefile: "

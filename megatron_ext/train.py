@@ -61,17 +61,23 @@ class TrainOptions:
 
     per_dtype_grad_buffers: bool = False
     keep_in_fp32_params: tuple[str, ...] = ()
+    log_per_layer_grad_norm: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainOptions:
         return cls(
             per_dtype_grad_buffers=bool(getattr(args, "per_dtype_grad_buffers", False)),
             keep_in_fp32_params=tuple(getattr(args, "keep_in_fp32_params", None) or ()),
+            log_per_layer_grad_norm=bool(getattr(args, "log_per_layer_grad_norm", False)),
         )
 
     @property
     def on(self) -> bool:
-        return self.per_dtype_grad_buffers or bool(self.keep_in_fp32_params)
+        return (
+            self.per_dtype_grad_buffers
+            or bool(self.keep_in_fp32_params)
+            or self.log_per_layer_grad_norm
+        )
 
 
 def split_patterns(text: str) -> list[str]:
@@ -123,6 +129,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Keep parameters whose name matches one of these regular expressions (re.search "
         "on each model chunk's named_parameters()) in fp32 when the model is cast to "
         "bf16/fp16. May be given several times.",
+    )
+    group.add_argument(
+        "--log-per-layer-grad-norm",
+        action="store_true",
+        help="Every --log-interval, log each layer's gradient norm (and each parameter "
+        "outside the layers: embeddings, final norm, output layer) to the console, "
+        "TensorBoard and W&B, from the step's own norm pass (one segmented read, the same "
+        "all-reduce). Needs --per-dtype-grad-buffers.",
     )
     return parser
 
@@ -216,6 +230,12 @@ def enable(args: argparse.Namespace) -> TrainingPatches:
     if not options.on:
         return patches
     _check_training_loop()
+    if options.log_per_layer_grad_norm and not options.per_dtype_grad_buffers:
+        raise UnsupportedTrainingOptionError(
+            "--log-per-layer-grad-norm needs --per-dtype-grad-buffers (the per-layer norms "
+            "come from the flat buffers' norm pass); add it, or drop "
+            "--log-per-layer-grad-norm"
+        )
     if options.per_dtype_grad_buffers:
         check_supported(args)
     built = _BuildRecord()
@@ -228,6 +248,8 @@ def enable(args: argparse.Namespace) -> TrainingPatches:
             "training fp32 islands", _keeping_fp32(original, options.keep_in_fp32_params, built)
         )
     patches.replace("training optimizer", _checked_optimizer(options, built))
+    if options.log_per_layer_grad_norm:
+        patches.replace("training step", _logging_per_layer(seam.target("training step"), args))
     _print_rank_0(
         f"> megatron_ext.train: {_describe(options)}; replaced {', '.join(patches.applied)} "
         "(megatron_ext.seam)"
@@ -425,7 +447,72 @@ def _describe(options: TrainOptions) -> str:
         parts.append("--per-dtype-grad-buffers")
     if options.keep_in_fp32_params:
         parts.append(f"--keep-in-fp32-params {','.join(options.keep_in_fp32_params)}")
+    if options.log_per_layer_grad_norm:
+        parts.append("--log-per-layer-grad-norm")
     return " ".join(parts)
+
+
+_LAYER_PREFIX = re.compile(r"^(.*?\blayers\.\d+)\.")
+PER_LAYER_TAG = "per-layer grad norm"  # console line prefix and TensorBoard/W&B namespace
+
+
+def layer_of(name: str) -> str:
+    """The group a parameter's norm is logged under: its layer (``decoder.layers.3``, a
+    global index) inside the layer stack, else the module that owns it
+    (``embedding.word_embeddings``, ``output_layer``); wrapper prefixes dropped."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    m = _LAYER_PREFIX.match(name)
+    if m:
+        return m.group(1)
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def _logging_per_layer(original: Callable, args: argparse.Namespace):
+    """``train_step`` that, on iterations Megatron-LM logs, asks the optimizer for
+    per-parameter norms in that step's norm pass and logs them per layer."""
+    indices: dict[tuple[str, ...], object] = {}
+
+    def train_step(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs):
+        iteration = kwargs.get("iteration")
+        if iteration is None:
+            iteration = getattr(args, "curr_iteration", 0)
+        logged = optimizer is not None and (iteration + 1) % args.log_interval == 0
+        if logged:
+            optimizer.request_per_param_grad_norms()
+        out = original(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs)
+        if logged:
+            norms = optimizer.take_per_param_grad_norms()  # None: the step was skipped
+            if norms is not None:
+                log_per_layer(norms, iteration + 1, indices)
+        return out
+
+    return train_step
+
+
+def log_per_layer(norms, iteration: int, indices: dict) -> dict[str, float]:
+    """Fold per-parameter norms into layers (on the device; one copy to the host) and log
+    them: one console line on the last rank (where Megatron-LM prints its own), a scalar
+    per layer to TensorBoard and W&B where their writers exist. Returns what was logged."""
+    from buffers.param_norms import GroupIndex
+
+    if norms.names not in indices:
+        indices[norms.names] = GroupIndex(norms.names, layer_of)
+    values = dict(norms.by_group(indices[norms.names]).items())
+    tensorboard = seam.target("training tensorboard")()
+    wandb = seam.target("training wandb")()
+    for layer, value in values.items():
+        if tensorboard is not None:
+            tensorboard.add_scalar(f"{PER_LAYER_TAG}/{layer}", value, iteration)
+    if wandb is not None:
+        wandb.log({f"{PER_LAYER_TAG}/{k}": v for k, v in values.items()}, iteration)
+    rank, world = 0, 1
+    if torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if rank == world - 1:
+        cells = " | ".join(f"{k}: {v:.6E}" for k, v in values.items())
+        print(f" {PER_LAYER_TAG} | iteration {iteration:8d} | {cells}", flush=True)
+    return values
 
 
 def _print_rank_0(text: str) -> None:

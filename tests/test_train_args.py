@@ -114,3 +114,117 @@ def test_the_script_is_found_under_megatron_lm_path(tmp_path, monkeypatch):
     monkeypatch.delenv("MEGATRON_LM_PATH")
     with pytest.raises(SystemExit, match="MEGATRON_LM_PATH is not set"):
         train.find_script("pretrain_gpt.py")
+
+
+def test_per_layer_flag_parses_and_needs_the_buffers():
+    args = parser().parse_args(["--log-per-layer-grad-norm"])
+    options = train.TrainOptions.from_args(args)
+    assert options.log_per_layer_grad_norm and options.on
+    assert not train.TrainOptions.from_args(parser().parse_args([])).log_per_layer_grad_norm
+    with pytest.raises(train.UnsupportedTrainingOptionError, match="needs --per-dtype-grad"):
+        train.enable(args)
+
+
+@pytest.mark.parametrize(
+    ("name", "layer"),
+    [
+        ("module.module.decoder.layers.11.self_attention.linear_qkv.weight", "decoder.layers.11"),
+        ("decoder.layers.0.mlp.experts.local_experts.7.linear_fc1.weight", "decoder.layers.0"),
+        ("module.embedding.word_embeddings.weight", "embedding.word_embeddings"),
+        ("module.decoder.final_layernorm.weight", "decoder.final_layernorm"),
+        ("module.output_layer.weight", "output_layer"),
+        ("mtp.layers.0.enorm.weight", "mtp.layers.0"),
+        ("bias", "bias"),
+    ],
+)
+def test_parameters_are_grouped_by_layer_else_by_owning_module(name, layer):
+    assert train.layer_of(name) == layer
+
+
+class FakeWriter:
+    def __init__(self):
+        self.scalars, self.logged = [], []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+    def log(self, values, step):
+        self.logged.append((values, step))
+
+
+def fake_norms(seed=0):
+    """ParamNorms over random per-parameter norms, and the fp64 per-layer reference."""
+    from buffers.param_norms import ParamNorms
+
+    names = (
+        "module.embedding.word_embeddings.weight",
+        "module.decoder.layers.0.self_attention.linear_qkv.weight",
+        "module.decoder.layers.0.mlp.router.weight",
+        "module.decoder.layers.1.self_attention.linear_qkv.weight",
+        "module.decoder.layers.1.input_layernorm.weight",
+        "module.output_layer.weight",
+    )
+    norms = torch.rand(len(names), generator=torch.Generator().manual_seed(seed)) * 3
+    want: dict[str, float] = {}
+    for n, v in zip(names, norms.double().tolist(), strict=True):
+        key = n.removeprefix("module.").split(".self_attention")[0].split(".mlp")[0]
+        key = key.split(".input_layernorm")[0].removesuffix(".weight")
+        want[key] = want.get(key, 0.0) + v * v
+    want = {k: v**0.5 for k, v in want.items()}
+    total = norms.double().square().sum().sqrt().float()
+    return ParamNorms(total, norms, names, (True,) * len(names), 2.0), want
+
+
+def test_per_layer_values_reach_console_tensorboard_and_wandb(monkeypatch, capsys):
+    tb, wb = FakeWriter(), FakeWriter()
+    real = train.seam.target
+    fakes = {"training tensorboard": lambda: tb, "training wandb": lambda: wb}
+    monkeypatch.setattr(train.seam, "target", lambda name: fakes.get(name) or real(name))
+    norms, want = fake_norms()
+    values = train.log_per_layer(norms, 10, {})
+    assert list(values) == list(want)  # layers in the order they first appear
+    for k, v in want.items():
+        assert values[k] == pytest.approx(v, rel=1e-6)
+    assert [(t, s) for t, _, s in tb.scalars] == [(f"per-layer grad norm/{k}", 10) for k in want]
+    assert wb.logged[0][1] == 10 and set(wb.logged[0][0]) == {
+        f"per-layer grad norm/{k}" for k in want
+    }
+    line = capsys.readouterr().out
+    assert line.startswith(" per-layer grad norm | iteration       10 | ")
+    assert f"decoder.layers.1: {want['decoder.layers.1']:.6E}" in line
+
+
+def test_only_logged_iterations_request_per_parameter_norms(monkeypatch, capsys):
+    monkeypatch.setattr(
+        train.seam, "target", lambda name: (lambda: None) if "training " in name else None
+    )
+
+    class Optimizer:
+        def __init__(self):
+            self.requests, self.pending, self.kept = [], False, None
+
+        def request_per_param_grad_norms(self):
+            self.pending = True
+
+        def step(self, skip):
+            if self.pending and not skip:
+                self.kept, self.pending = fake_norms(len(self.requests))[0], False
+
+        def take_per_param_grad_norms(self):
+            self.requests.append(self.kept is not None)
+            self.pending, kept, self.kept = False, self.kept, None
+            return kept
+
+    def original(forward_step_func, data_iterator, model, optimizer, *rest, iteration=None):
+        optimizer.step(skip=iteration == 9)  # an inf step: nothing kept
+        return ("out", iteration)
+
+    args = argparse.Namespace(log_interval=5)
+    step = train._logging_per_layer(original, args)
+    opt = Optimizer()
+    for it in range(15):
+        assert step(None, None, None, opt, iteration=it) == ("out", it)
+    assert opt.requests == [True, False, True]  # iterations 5, 10 (skipped), 15 are logged
+    out = capsys.readouterr().out
+    assert out.count("per-layer grad norm |") == 2
+    assert "iteration        5 |" in out and "iteration       15 |" in out

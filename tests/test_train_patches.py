@@ -121,6 +121,17 @@ def test_flag_on_builds_our_config_ddp_and_optimizer(megatron_parse):
     assert bindings() == stock
 
 
+def test_per_layer_logging_wraps_the_training_step(megatron_parse):
+    stock = bindings()
+    args, patches = megatron_parse("--per-dtype-grad-buffers", "--log-per-layer-grad-norm")
+    assert patches.applied[2:] == (
+        "training DDP config", "training DDP", "training optimizer", "training step"
+    )  # fmt: skip
+    assert bindings()["training step"] is not stock["training step"]
+    patches.remove()
+    assert bindings() == stock
+
+
 def test_keep_in_fp32_alone_leaves_ddp_and_config_stock(megatron_parse):
     stock = bindings()
     args, patches = megatron_parse("--keep-in-fp32-params", r"router\.weight$")
