@@ -243,7 +243,6 @@ def flat_megatron(named: NamedParams, device: torch.device) -> Prepared:
     if device.type != "cuda":
         raise RuntimeError("flat_megatron needs CUDA (megatron-core's DDP allocates on CUDA)")
     from megatron.core import parallel_state
-    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_ext
@@ -256,26 +255,23 @@ def flat_megatron(named: NamedParams, device: torch.device) -> Prepared:
             p.allreduce = False  # megatron-core's expert mark: expert buffers, own optimizer
     numel = sum(p.numel() for _, p in named)
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, bf16=True)
-    ddp_config = megatron_ext.DistributedDataParallelConfig(
-        per_dtype_grad_buffers=True,
-        use_distributed_optimizer=True,
-        overlap_grad_reduce=True,
-        bucket_size=max(numel // 8, 1_000_000),
-    )
-    model = megatron_ext.DistributedDataParallel(config, ddp_config, _Holder(named))
     # Precision-aware (decoupled gradients): the optimizer reads the gradient buffers
     # themselves, so clip scales them in place. Without TE, megatron-core allows that only
     # with its CPU-offload optimizer; fraction 0 keeps everything on the GPU.
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=1e-4,
-        bf16=True,
-        use_distributed_optimizer=True,
-        use_precision_aware_optimizer=True,
-        optimizer_cpu_offload=True,
-        optimizer_offload_fraction=0.0,
+    stack = megatron_ext.build_stack(
+        _Holder(named),
+        config,
+        ddp=dict(overlap_grad_reduce=True, bucket_size=max(numel // 8, 1_000_000)),
+        optimizer=dict(
+            optimizer="adam",
+            lr=1e-4,
+            bf16=True,
+            use_precision_aware_optimizer=True,
+            optimizer_cpu_offload=True,
+            optimizer_offload_fraction=0.0,
+        ),
     )
-    opt = megatron_ext.get_megatron_optimizer(opt_config, [model])
+    model, opt = stack.model, stack.optimizer
     buckets = sum(len(b.buckets) for b in model.all_grad_buffers())
     chain = getattr(opt, "chained_optimizers", [opt])
 

@@ -227,7 +227,6 @@ def current_ranks():
 
 
 def build(cfg, option, ranks, offload_override=None):
-    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_ext
@@ -249,16 +248,8 @@ def build(cfg, option, ranks, offload_override=None):
         sequence_parallel=cfg.get("sp", False),
     )
     distopt = cfg.get("distopt", True)
-    ddp_cfg = megatron_ext.DistributedDataParallelConfig(
-        per_dtype_grad_buffers=option,
-        use_distributed_optimizer=distopt,
-        overlap_grad_reduce=cfg.get("buckets", False),
-        bucket_size=20_000 if cfg.get("buckets") else None,
-    )
-    model = megatron_ext.DistributedDataParallel(tcfg, ddp_cfg, chunk)
     offload = cfg.get("offload") if offload_override is None else offload_override
-    opts = dict(optimizer="adam", lr=1e-3, clip_grad=CLIP, bf16=not (fp16 or fp32), fp16=fp16,
-                use_distributed_optimizer=distopt)  # fmt: skip
+    opts = dict(optimizer="adam", lr=1e-3, clip_grad=CLIP, bf16=not (fp16 or fp32), fp16=fp16)
     if cfg.get("pa"):
         opts["use_precision_aware_optimizer"] = True
     if offload is not None and offload is not False:
@@ -268,7 +259,18 @@ def build(cfg, option, ranks, offload_override=None):
         opts.update(initial_loss_scale=2.0**12, min_loss_scale=1.0, loss_scale_window=1000)
     elif scale is not None:
         opts["loss_scale"] = scale
-    opt = megatron_ext.get_megatron_optimizer(OptimizerConfig(**opts), [model])
+    stack = megatron_ext.build_stack(
+        chunk,
+        tcfg,
+        per_dtype_grad_buffers=option,
+        distributed_optimizer=distopt,
+        ddp=dict(
+            overlap_grad_reduce=cfg.get("buckets", False),
+            bucket_size=20_000 if cfg.get("buckets") else None,
+        ),
+        optimizer=opts,
+    )
+    model, opt = stack.model, stack.optimizer
     return model, opt
 
 
