@@ -7,7 +7,9 @@ megatron-core's DDP buffers: every bucket's ``grad_data`` (this rank's shard of 
 distributed optimizer, which is where the reduce-scatter put the reduced values), squared
 and summed in fp64, all-reduced over the buffer's data-parallel group. Padding is zero, and
 at TP=PP=1 no gradient is a duplicate, so that is the norm of the full reduced gradient; it
-reads megatron-core's buffers, not megatron_ext's spans. The recording wraps whatever
+reads megatron-core's buffers, not megatron_ext's spans. On steps where
+``--log-per-layer-grad-norm`` asked for per-parameter norms, the row also holds an fp64
+norm per logged group, from the same buffers. The recording wraps whatever
 ``megatron.training`` uses as ``get_megatron_optimizer`` (stock with the flags off).
 """
 
@@ -40,6 +42,35 @@ def reference_norm(model_chunks, sharded: bool) -> float:
     return total**0.5
 
 
+def reference_per_layer(model_chunks, sharded: bool) -> dict[str, float]:
+    """fp64 norm per logged group (mt.layer_of of each parameter's name), from the same
+    buffers: each parameter's elements in this rank's shard of each bucket, squared and
+    summed in fp64, all-reduced over the data-parallel group (TP = PP = 1 here)."""
+    sums: dict[str, torch.Tensor] = {}
+    group = None
+    for chunk in model_chunks:
+        names = {p: n for n, p in chunk.module.named_parameters()}
+        for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]:
+            group = buf.data_parallel_group
+            size, rank = group.size(), group.rank()
+            for bucket in buf.buckets:
+                lo, n = bucket.offset, bucket.grad_data.numel()
+                if sharded and size > 1:
+                    lo, n = lo + rank * (n // size), n // size
+                for p, (start, end, _) in buf.param_index_map.items():
+                    a, b = max(start, lo), min(end, lo + n)
+                    if a >= b:
+                        continue
+                    key = mt.layer_of(names[p])
+                    part = buf.grad_data[a:b].double().square().sum()
+                    sums[key] = sums.get(key, 0.0) + part
+    keys = sorted(sums)
+    vec = torch.stack([torch.as_tensor(sums[k]).double().cuda() for k in keys])
+    if sharded and group is not None and group.size() > 1:
+        torch.distributed.all_reduce(vec, group=group)
+    return {k: float(v) ** 0.5 for k, v in zip(keys, vec.tolist(), strict=True)}
+
+
 def recording(build, out: Path):
     def build_and_record(config, model_chunks, *args, **kwargs):
         opt = build(config, model_chunks, *args, **kwargs)
@@ -49,6 +80,10 @@ def recording(build, out: Path):
 
         def recorded_step(*a, **kw):
             ref = reference_norm(model_chunks, sharded)
+            # --log-per-layer-grad-norm asked this step for per-parameter norms
+            per_layer = None
+            if opt.__dict__.get("_flat_per_param_requested"):
+                per_layer = reference_per_layer(model_chunks, sharded)
             ok, norm, zeros = step(*a, **kw)
             row = {
                 "ok": bool(ok),
@@ -56,6 +91,7 @@ def recording(build, out: Path):
                 "ref": ref,
                 "zeros": None if zeros is None else float(zeros),
                 "optimizer": type(opt).__name__,
+                "per_layer_ref": per_layer,
             }
             with open(out / f"rank{rank}.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
