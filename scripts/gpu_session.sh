@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU test machine: install the carried megatron-core wheel, then run the named steps,
 # each under its own time limit, logging to $OUT/<step>.log. Usage: gpu_session.sh STEP...
-# Steps: tests, multirank, example, norm_clip, memory, train_step, offload, clip_step.
+# Steps: tests, multirank, example, norm_clip, memory, train_step, offload, clip_step,
+# megatron_lm (tests/gpu/test_megatron_lm_gpu.py, -k "$MEGATRON_LM_K"; scripts from
+# .megatron-lm/ unless MEGATRON_LM_PATH is set). NORM_CLIP_ARGS replaces norm_clip's extra args.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -26,8 +28,12 @@ for s in "$@"; do
     multirank) step multirank ${MULTIRANK_LIMIT:-560} python3 -m pytest -p no:cacheprovider -q \
       -m cuda -s -rfE tests/gpu/test_multirank_gpu.py ;;
     example) step example 120 python3 examples/megatron_quickstart.py ;;
+    megatron_lm) MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-$PWD/.megatron-lm} \
+      MEGATRON_LM_TIMEOUT=${MEGATRON_LM_TIMEOUT:-150} step megatron_lm ${MEGATRON_LM_LIMIT:-400} \
+      python3 -m pytest -p no:cacheprovider -q -m cuda -s -rfE tests/gpu/test_megatron_lm_gpu.py \
+      -k "${MEGATRON_LM_K:-not nothing}" ;;
     norm_clip|memory|train_step|offload|clip_step)
-      extra=(); [ "$s" = norm_clip ] && extra=(--scaling-counts 80,1000,10000)
+      extra=(); [ "$s" = norm_clip ] && read -ra extra <<< "${NORM_CLIP_ARGS:---scaling-counts 80,1000,10000}"
       step "$s" ${BENCH_LIMIT:-300} python3 "benchmarks/$s.py" --device cuda --out "$OUT/bench" "${extra[@]}" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
