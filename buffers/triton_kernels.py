@@ -86,22 +86,31 @@ def _scale_kernel(
 
 
 @triton.jit
-def _span_sum_kernel(partials, core_lo, core_hi, edge_lo, edge_hi, out, ROWS: tl.constexpr):
+def _span_sum_kernel(
+    partials, core_lo, core_hi, edge_lo, edge_hi, out, N_ITER: tl.constexpr, ROWS: tl.constexpr
+):
     # One program per span: its tiles' fp32 partials (a contiguous run of core tiles and
     # at most two edge tiles) added in fp64. A parameter of 10^9 elements has ~6 * 10^4
     # tiles: this loop reads them in order instead of 6 * 10^4 atomics on one address.
+    # ``N_ITER`` (from the host: the longest run / ROWS, rounded up to a power of two, so
+    # few variants compile) bounds the loop: loop bounds never come from tensors, which
+    # Triton 3.6's interpreter cannot range over.
     s = tl.program_id(0)
     acc = tl.zeros((ROWS,), dtype=tl.float64)
     lo = tl.load(core_lo + s)
     hi = tl.load(core_hi + s)
-    for start in range(lo, hi, ROWS):
-        offs = start + tl.arange(0, ROWS)
+    for it in range(0, N_ITER):
+        offs = lo + it * ROWS + tl.arange(0, ROWS)
         acc += tl.load(partials + offs, mask=offs < hi, other=0.0).to(tl.float64)
     e_lo = tl.load(edge_lo + s)
     e_hi = tl.load(edge_hi + s)
     e_offs = e_lo + tl.arange(0, ROWS)
     acc += tl.load(partials + e_offs, mask=e_offs < e_hi, other=0.0).to(tl.float64)
     tl.store(out + s, tl.sum(acc, axis=0))
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def split_span(lo: int, hi: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -134,6 +143,7 @@ class TileTable:
         def column(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=base.device)
 
+        self.longest_run = max((b - a for a, b in core_run), default=0)
         self.core_lo = column([a for a, _ in core_run])
         self.core_hi = column([b for _, b in core_run])
         self.edge_lo = column([a + self.n_core for a, _ in edge_run])
@@ -183,6 +193,7 @@ class TileTable:
             self.edge_lo,
             self.edge_hi,
             self.span_sums,
+            N_ITER=_pow2_at_least(-(-self.longest_run // rows)),
             ROWS=rows,
         )
         return self.span_sums
