@@ -58,12 +58,11 @@ def reference_per_layer(model_chunks, sharded: bool) -> dict[str, float]:
                 if sharded and size > 1:
                     lo, n = lo + rank * (n // size), n // size
                 for p, (start, end, _) in buf.param_index_map.items():
-                    a, b = max(start, lo), min(end, lo + n)
-                    if a >= b:
-                        continue
                     key = mt.layer_of(names[p])
-                    part = buf.grad_data[a:b].double().square().sum()
-                    sums[key] = sums.get(key, 0.0) + part
+                    sums.setdefault(key, 0.0)  # every rank lists every group, owned or not
+                    a, b = max(start, lo), min(end, lo + n)
+                    if a < b:
+                        sums[key] = sums[key] + buf.grad_data[a:b].double().square().sum()
     keys = sorted(sums)
     vec = torch.stack([torch.as_tensor(sums[k]).double().cuda() for k in keys])
     if sharded and group is not None and group.size() > 1:
