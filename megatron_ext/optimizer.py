@@ -105,6 +105,10 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
     opt._flat_names = names
     for child in children:
         child._flat_names = names
+        if isinstance(child, DistributedOptimizer) and not getattr(
+            child, "is_stub_optimizer", False
+        ):
+            align_group_order(child)
         _check_supported(child)
         child._flat = _build_state(child, placed, options)
         child.__class__ = _flat_class(type(child))
@@ -126,6 +130,41 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
                 options,
             )
     return opt
+
+
+def align_group_order(child) -> None:
+    """Number each group's parameters as the optimizer lists them (seam: param group order).
+
+    megatron-core's ``model_param_group_index_map`` gives a parameter's place among the
+    parameters this rank owns in its group, in the group's order; the optimizer's group
+    lists the fp32 parameters' shards first, then the fp16/bf16 ones'. Where a group holds
+    both, checkpoint save and load (``_get/_set_main_param_and_optimizer_states``, the
+    ``dp_reshardable`` and ``fully_reshardable`` paths) read another parameter's state.
+    Every entry is checked against the shard's size before the map is replaced.
+    """
+    seam.check_instance("param group order", child)
+    groups = child.optimizer.param_groups
+    fixed = {}
+    for g, (fp32s, low) in enumerate(
+        zip(child.model_fp32_groups, child.model_float16_groups, strict=True)
+    ):
+        ordered = [*fp32s, *low]
+        if len(ordered) != len(groups[g]["params"]):
+            raise RuntimeError(
+                f"optimizer group {g} holds {len(groups[g]['params'])} parameters but this "
+                f"rank owns {len(ordered)} of it (megatron-core's layout changed?)"
+            )
+        for i, p in enumerate(ordered):
+            owned = child._get_model_param_range_map(p)["param"].size
+            if groups[g]["params"][i].numel() != owned:
+                raise RuntimeError(
+                    f"optimizer group {g}, position {i}: {groups[g]['params'][i].numel()} "
+                    f"elements, but the parameter there owns {owned} on this rank"
+                )
+            fixed[p] = (g, i)
+    if set(fixed) != set(child.model_param_group_index_map):
+        raise RuntimeError("the optimizer's groups and megatron-core's index map disagree")
+    child.model_param_group_index_map = fixed
 
 
 def _check_supported(child) -> None:

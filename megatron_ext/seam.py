@@ -125,6 +125,15 @@ ENTRIES: tuple[Entry, ...] = (
           attrs=("buffers", "model_float16_groups", "model_fp32_groups",
                  "shard_fp32_from_float16_groups", "shard_fp32_groups", "shard_float16_groups",
                  "model_param_gbuf_map", "gbuf_ranges", "config", "optimizer")),
+    Entry("param group order", f"{_DIST}:DistributedOptimizer", "re-point",
+          "model_param_group_index_map re-numbered in the order of the optimizer's own param "
+          "groups (fp32 parameters first, then fp16/bf16), checked against each shard's size",
+          "megatron-core numbers a group's parameters in the group's order but lists its "
+          "fp32 ones first in the optimizer: once a group holds both (fp32 islands), "
+          "checkpoint save and load pair states with the wrong parameters (save fails: "
+          "'AssertionError: (torch.Size([1024]), 512, 262656)', seen on the GPU)",
+          attrs=("model_param_group_index_map", "model_float16_groups", "model_fp32_groups",
+                 "optimizer")),
     Entry("param range map", f"{_DIST}:DistributedOptimizer._get_model_param_range_map",
           "call", "reads the range of a parameter this rank owns",
           "bindings of main gradients to mirror views", params=("param",)),

@@ -224,3 +224,63 @@ def test_gtp_remat_duplicates_are_excluded_as_megatron_core_excludes_them(monkey
             exclusion_reason(**param_flags(p, FakeGroup(0, 1), FakeGroup(0, 1))) is None
         ) == want
     assert not layers.param_is_not_gtp_duplicate(replicated)  # the case is exercised
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_checkpoint_index_map_points_at_each_parameters_own_shard(dp):
+    """Groups mixing fp32 and bf16 parameters (fp32 islands): megatron-core numbers a
+    group's parameters in the group's order but the optimizer lists fp32 shards first, so
+    checkpoint save/load read another parameter's state (GPU run 37's save failure).
+    Oracle: each parameter's shard, by size and values (each parameter holds its own
+    constant), as megatron-core's own builders make them."""
+    from megatron_ext.optimizer import align_group_order
+
+    class CudaTyped(torch.nn.Parameter):
+        """Answers type() as a CUDA tensor would: megatron-core's builder accepts only
+        those names; everything it does with the values runs on the CPU alike."""
+
+        def type(self, *args, **kwargs):
+            name = super().type(*args, **kwargs)
+            return name.replace("torch.", "torch.cuda.", 1) if not (args or kwargs) else name
+
+    sizes = [(300, BF16), (64, FP32), (1000, BF16), (40, FP32), (130, BF16)]
+    params = [
+        CudaTyped(torch.full((n,), float(i + 1), dtype=dt)) for i, (n, dt) in enumerate(sizes)
+    ]
+    gen = torch.Generator().manual_seed(3)
+    for rank in range(dp):
+        bufs = [
+            fake_buffer([p for p in params if p.dtype == BF16], BF16, dp, rank, 10**6, gen),
+            fake_buffer([p for p in params if p.dtype == FP32], FP32, dp, rank, 10**6, gen),
+        ]
+        child = object.__new__(DistributedOptimizer)
+        child.gbuf_ranges = [DistributedOptimizer._build_gbuf_range_map(b) for b in bufs]
+        child.model_param_gbuf_map = DistributedOptimizer._build_model_param_gbuf_map(
+            child.gbuf_ranges
+        )
+        groups = [{"params": list(params)}]  # interleaved dtypes, as get_param_groups gives
+        child.model_param_group_index_map, ranges = (
+            DistributedOptimizer._build_optimizer_group_ranges(groups, child.gbuf_ranges)
+        )
+        config = types.SimpleNamespace(
+            use_precision_aware_optimizer_no_fp8_or_ds_fp8=False, fp8_recipe=None
+        )
+        built = DistributedOptimizer._build_model_and_main_param_groups(
+            child.gbuf_ranges, child.model_param_gbuf_map, ranges, config
+        )
+        child.model_float16_groups, child.model_fp32_groups = built[0], built[1]
+        child.optimizer = types.SimpleNamespace(param_groups=[r["orig_group"] for r in ranges])
+
+        def wrong(child=child):
+            out = []
+            for p, (g, i) in child.model_param_group_index_map.items():
+                r = child._get_model_param_range_map(p)["param"]
+                main = child.optimizer.param_groups[g]["params"][i]
+                want = p.detach().view(-1)[r.start : r.end].float()
+                if main.numel() != want.numel() or not torch.equal(main.float(), want):
+                    out.append(tuple(p.shape))
+            return out
+
+        assert wrong(), "megatron-core's map already matches; the test exercises nothing"
+        align_group_order(child)
+        assert wrong() == []
