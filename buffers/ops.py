@@ -209,7 +209,7 @@ class TritonBackend(TorchBackend):
         if buf.dim() != 1 or not buf.is_contiguous() or buf.dtype not in tk.DTYPES:
             return None
         if table not in self._segment_cache:
-            tiles = tk.TileTable(buf, [(lo, hi) for lo, hi, _ in table.slots])
+            tiles = tk.TileTable(buf, [(lo, hi) for lo, hi, _ in table.slots], short=True)
             ids = torch.tensor([i for _, _, i in table.slots], dtype=torch.int64)
             self._segment_cache[table] = (tiles, ids.to(buf.device))
         return self._segment_cache[table]

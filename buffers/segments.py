@@ -200,7 +200,8 @@ class SpanSegments:
             if self._tiles is None:
                 from . import triton_kernels as tk
 
-                self._tiles = tk.TileTable(self.base, [(lo, hi) for lo, hi, _ in self.spans])
+                spans = [(lo, hi) for lo, hi, _ in self.spans]
+                self._tiles = tk.TileTable(self.base, spans, short=True)
             out.index_add_(0, self.ids, self._tiles.span_sumsq(self.base))
             return
         acc = torch.promote_types(self.base.dtype, torch.float32)

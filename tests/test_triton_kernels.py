@@ -28,6 +28,14 @@ SCRIPT = textwrap.dedent(
         want = sum(buf[a:b].double().square().sum().item() for a, b in spans)
         got = table.sumsq(buf).item()
         assert math.isclose(got, want, rel_tol=1e-5), (dtype, got, want)
+        # the variant for tiles cut at every parameter (skips iterations past a tile's end)
+        short = tk.TileTable(buf, spans, short=True)
+        parts = short.partial_sumsq(buf).double()
+        assert math.isclose(parts.sum().item(), want, rel_tol=1e-5), (dtype, "short")
+        per_span = short.span_sumsq(buf)
+        for i, (a, b) in enumerate(spans):
+            one = buf[a:b].double().square().sum().item()
+            assert math.isclose(per_span[i].item(), one, rel_tol=1e-5), (dtype, i)
         before = buf.clone()
         table.scale_(buf, torch.tensor(1.0))
         assert torch.equal(buf, before), "coefficient 1 must leave every bit unchanged"
