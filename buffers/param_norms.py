@@ -170,6 +170,7 @@ class _Union:
     counted: tuple[bool, ...]
     local_index: torch.Tensor  # local stat positions sent (contributing params, then total)
     wire_index: torch.Tensor  # their positions in the wire vector (total last)
+    identity: bool = False  # the local vector is already the wire vector (same names, all sent)
 
 
 def gather_union(
@@ -204,19 +205,23 @@ def gather_union(
                 counted_any.append(False)
             counted_any[order[name]] |= c
     sent = [i for i, name in enumerate(names) if counted[i] or not counted_any[order[name]]]
+    wire = [order[names[i]] for i in sent]
+    identity = len(order) == len(names) and wire == list(range(len(names)))
     return _Union(
         tuple(order),
         tuple(counted_any),
         torch.tensor([*sent, len(names)], dtype=torch.int64, device=device),
-        torch.tensor(
-            [order[names[i]] for i in sent] + [len(order)], dtype=torch.int64, device=device
-        ),
+        torch.tensor(wire + [len(order)], dtype=torch.int64, device=device),
+        identity,
     )
 
 
 def to_wire(local: torch.Tensor, union: _Union) -> torch.Tensor:
     """This rank's part of the shared vector ``[stat per union name..., total]`` from its
-    local ``[stat per name..., total]`` (zeros where it sends nothing)."""
+    local ``[stat per name..., total]`` (zeros where it sends nothing); ``local`` itself
+    when every rank has these names in this order and sends every one."""
+    if union.identity:
+        return local
     out = torch.zeros(len(union.names) + 1, dtype=local.dtype, device=local.device)
     return out.index_copy_(0, union.wire_index, local.index_select(0, union.local_index))
 
