@@ -132,6 +132,32 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
     return opt
 
 
+def create_state_before_loading(child) -> None:
+    """Give a never-stepped distributed optimizer its state before a checkpoint loads.
+
+    Without TE or Apex, megatron-core 0.19's ``DistributedOptimizer.state_dict()`` (which
+    ``sharded_state_dict(is_loading=True)`` calls first) reads Adam's ``step`` from torch's
+    per-parameter state and asserts there is exactly one value: a fresh optimizer (Megatron-LM
+    resuming with ``--load``) has none. Created here as megatron-core's own
+    ``load_state_dict`` creates it right after: ``dummy_step()`` for its CPU-offload
+    optimizer, else its ``init_state_fn`` and a zero ``step``. Loading then overwrites all
+    of it. Nothing happens with TE/Apex or once the optimizer has state.
+    """
+    if seam.target("distopt without TE or Apex"):
+        return
+    inner = child.optimizer
+    if len(inner.state) != 0:
+        return
+    if isinstance(inner, seam.target("HybridDeviceOptimizer")):
+        inner.dummy_step()
+        return
+    if child.init_state_fn is not None:
+        child.init_state_fn(inner, child.config)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
 def align_group_order(child) -> None:
     """Number each group's parameters as the optimizer lists them (seam: param group order).
 
@@ -390,6 +416,9 @@ class FlatNormOptimizer:
         walked in the optimizer's own order.
         """
         base = self._flat_base.sharded_state_dict
+        is_loading = kwargs.get("is_loading", args[0] if args else False)
+        if is_loading and isinstance(self, DistributedOptimizer):
+            create_state_before_loading(self)
         if not isinstance(self, Float16OptimizerWithFloat16Params) or not any(
             self.fp32_from_fp32_groups
         ):

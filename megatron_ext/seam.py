@@ -124,7 +124,8 @@ ENTRIES: tuple[Entry, ...] = (
           "one fused launch per buffer instead of a per-parameter list",
           attrs=("buffers", "model_float16_groups", "model_fp32_groups",
                  "shard_fp32_from_float16_groups", "shard_fp32_groups", "shard_float16_groups",
-                 "model_param_gbuf_map", "gbuf_ranges", "config", "optimizer")),
+                 "model_param_gbuf_map", "gbuf_ranges", "config", "optimizer",
+                 "init_state_fn")),
     Entry("param group order", f"{_DIST}:DistributedOptimizer", "re-point",
           "model_param_group_index_map re-numbered in the order of the optimizer's own param "
           "groups (fp32 parameters first, then fp16/bf16), checked against each shard's size",
@@ -134,6 +135,12 @@ ENTRIES: tuple[Entry, ...] = (
           "'AssertionError: (torch.Size([1024]), 512, 262656)', seen on the GPU)",
           attrs=("model_param_group_index_map", "model_float16_groups", "model_fp32_groups",
                  "optimizer")),
+    Entry("distopt without TE or Apex", f"{_DIST}:HAVE_APEX_OR_TE", "read",
+          "whether megatron-core's distributed optimizer reads Adam's step from torch's "
+          "per-parameter state (False: neither TE nor Apex)",
+          "then loading a checkpoint into a never-stepped optimizer asserts in its "
+          "state_dict() ('assert len(steps) == 1', Megatron-LM --load, seen on the GPU); "
+          "the state is created first, as megatron-core's own load_state_dict does next"),
     Entry("param range map", f"{_DIST}:DistributedOptimizer._get_model_param_range_map",
           "call", "reads the range of a parameter this rank owns",
           "bindings of main gradients to mirror views", params=("param",)),

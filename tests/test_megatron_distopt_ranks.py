@@ -284,3 +284,39 @@ def test_checkpoint_index_map_points_at_each_parameters_own_shard(dp):
         assert wrong(), "megatron-core's map already matches; the test exercises nothing"
         align_group_order(child)
         assert wrong() == []
+
+
+def test_a_never_stepped_optimizer_can_build_its_state_dict_for_loading():
+    """Megatron-LM --load builds a fresh optimizer, then loads: without TE or Apex,
+    megatron-core's own DistributedOptimizer.state_dict() asserts on the empty Adam state
+    (GPU run 38). After create_state_before_loading it returns the step-0 state dict."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    from megatron_ext.optimizer import create_state_before_loading
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        pytest.skip("TE or Apex is installed: megatron-core reads the step elsewhere")
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 7)]
+    child = object.__new__(DistributedOptimizer)
+    child.optimizer = torch.optim.Adam([{"params": params, "wd_mult": 1.0}], lr=1e-3)
+    child.grad_scaler = None
+    child.config = types.SimpleNamespace(use_precision_aware_optimizer=False)
+    created = []
+
+    def init_state_fn(opt, config=None):  # megatron-core's for Adam: zero moments
+        for p in params:
+            opt.state[p]["exp_avg"] = torch.zeros_like(p)
+            opt.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+        created.append(config)
+
+    child.init_state_fn = init_state_fn
+    with pytest.raises(AssertionError):
+        DistributedOptimizer.state_dict(child)  # megatron-core's, as it fails on the GPU
+    create_state_before_loading(child)
+    assert created == [child.config]
+    sd = DistributedOptimizer.state_dict(child)
+    assert [g["step"] for g in sd["optimizer"]["param_groups"]] == [0.0]
+    before = {id(p): dict(child.optimizer.state[p]) for p in params}
+    create_state_before_loading(child)  # has state now: nothing changes
+    assert created == [child.config]
+    assert all(child.optimizer.state[p]["step"] is before[id(p)]["step"] for p in params)
