@@ -191,10 +191,14 @@ class TileTable:
         )
         return self.partials[: self.n]
 
-    def span_sumsq(self, base: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    def span_sumsq(self, base: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """Sum of squares per span (fp64, one per span, in ``spans`` order): the tile
         kernel, then one program per span adding its tiles' partials. Rewritten by the
-        next call. ``rows``: partials read at a time per program (a power of two)."""
+        next call. ``rows``: partials read at a time per program (a power of two >= 2);
+        default: the longest span's tile count rounded up, at most 1024, so spans of a few
+        tiles (10,000 small parameters) do not each reduce 1024 lanes in fp64."""
+        if rows is None:
+            rows = min(_pow2_at_least(max(self.longest_run, 2)), 1024)
         if self.n_spans == 0:
             return self.span_sums
         partials = self.partial_sumsq(base)
