@@ -383,7 +383,16 @@ def _checked_optimizer(options: TrainOptions, built: _BuildRecord):
                 "wrapped in megatron_ext.DistributedDataParallel (megatron_ext.train patches "
                 "megatron.training's model builders, not the model_provider path)"
             )
-        return get_megatron_optimizer(config, model_chunks, *args, **kwargs)
+        optimizer = get_megatron_optimizer(config, model_chunks, *args, **kwargs)
+        if options.log_per_layer_grad_norm and not hasattr(
+            optimizer, "request_per_param_grad_norms"
+        ):
+            raise UnsupportedTrainingOptionError(
+                f"--log-per-layer-grad-norm: megatron-core returned a {type(optimizer).__name__}"
+                ", not a ChainedOptimizer, so its step cannot compute per-parameter norms; "
+                "drop --log-per-layer-grad-norm"
+            )
+        return optimizer
 
     return build_optimizer
 

@@ -204,6 +204,24 @@ def test_the_optimizer_refuses_chunks_the_patches_did_not_build():
         build(None, chunks)
 
 
+def test_per_layer_logging_refuses_an_optimizer_without_per_parameter_norms(monkeypatch):
+    chunk = torch.nn.Linear(2, 2)
+    chunk.per_dtype_grad_buffers = True
+
+    class Chained:
+        def request_per_param_grad_norms(self):
+            pass
+
+    options = train.TrainOptions(True, (), log_per_layer_grad_norm=True)
+    build = train._checked_optimizer(options, train._BuildRecord())
+    monkeypatch.setattr(train, "get_megatron_optimizer", lambda *a, **k: object())
+    with pytest.raises(train.UnsupportedTrainingOptionError, match="not a ChainedOptimizer"):
+        build(None, [chunk])
+    made = Chained()
+    monkeypatch.setattr(train, "get_megatron_optimizer", lambda *a, **k: made)
+    assert build(None, [chunk]) is made
+
+
 @pytest.mark.parametrize("makefile", [False, True])
 def test_the_helpers_build_is_skipped_only_without_a_makefile(tmp_path, makefile, capsys):
     # A wheel ships the compiled helpers; a source tree (Megatron-LM main) does not.
