@@ -229,13 +229,13 @@ def enable(args: argparse.Namespace) -> TrainingPatches:
     patches = TrainingPatches()
     if not options.on:
         return patches
-    _check_training_loop()
     if options.log_per_layer_grad_norm and not options.per_dtype_grad_buffers:
         raise UnsupportedTrainingOptionError(
             "--log-per-layer-grad-norm needs --per-dtype-grad-buffers (the per-layer norms "
             "come from the flat buffers' norm pass); add it, or drop "
             "--log-per-layer-grad-norm"
         )
+    _check_training_loop()
     if options.per_dtype_grad_buffers:
         check_supported(args)
     built = _BuildRecord()
