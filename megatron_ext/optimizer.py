@@ -10,6 +10,7 @@ import torch
 from buffers import graphs, ops
 from buffers.graphs import NormClip
 from buffers.options import DEFAULT, BufferOptions
+from buffers.param_norms import ParamNorms, gather_union, to_wire
 
 from . import offload, seam
 from .ddp import counted_records
@@ -629,8 +630,6 @@ def _per_param(owner, children, group):
     The stats pass and (NCCL) the all-reduce replay as one CUDA graph, as the norm does;
     gloo groups reduce between replays. Built at the first call, then kept.
     """
-    from buffers.param_norms import ParamNorms, gather_union, to_wire
-
     nc = owner._flat_norm_clip
     pn = owner.__dict__.get("_flat_param_norms")
     if pn is None:
