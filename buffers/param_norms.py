@@ -226,50 +226,46 @@ def to_wire(local: torch.Tensor, union: _Union) -> torch.Tensor:
     return out.index_copy_(0, union.wire_index, local.index_select(0, union.local_index))
 
 
-class ParamNormPass:
-    """Per-parameter stats of every flat buffer in one segmented pass each (built once).
+class ParamStats:
+    """Per-parameter stats on this rank, their reduction over a group, and the norms.
+
+    Subclasses say how one pass adds each parameter's stat (:meth:`add_stats`);
+    :meth:`norms` does the rest the same way for every layout: the counted total, one
+    all-reduce carrying the vector and the total, the finished norms, replayed as CUDA
+    graphs by the caller's replayer.
 
     Args:
-        plan: the layout (slots of every buffer).
-        buffers: the flat buffers, by dtype.
-        names: parameter names by plan index.
+        names: parameter names, one per stat (unique).
+        counted: per name, whether it counts toward the total.
         device: where results live.
         options: backend choice.
+        norm_dtype: dtype of the per-parameter norms.
+        total_dtype: dtype of the total.
     """
 
     def __init__(
         self,
-        plan: LayoutPlan,
-        buffers: Mapping[torch.dtype, torch.Tensor],
         names: Sequence[str],
+        counted: Sequence[bool],
         device: torch.device,
         options: BufferOptions = DEFAULT,
+        norm_dtype: torch.dtype = torch.float32,
+        total_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.n = len(names)
         self.names = tuple(names)
-        counted = [True] * self.n
-        for b in plan.buffers.values():
-            for s in b.slots:
-                counted[s.index] = s.counted
         self.counted = tuple(counted)
         self.device = device
         self.options = options
+        self.norm_dtype = norm_dtype
+        self.total_dtype = total_dtype
         self._mask = torch.tensor(self.counted, dtype=torch.bool, device=device)
-        self._tables = []
-        for dt, b in plan.buffers.items():
-            slots = [(s.offset, s.numel, s.index) for s in b.slots]
-            table = build_segment_table(b.numel, slots, self.n, device)
-            backend = ops.backend_for(buffers[dt].device, options)
-            backend.prepare_segments(buffers[dt], table)
-            self._tables.append((buffers[dt], table))
-        any64 = torch.float64 in plan.buffers
-        counted64 = any(
-            dt == torch.float64 and any(s.counted for s in b.slots)
-            for dt, b in plan.buffers.items()
-        )
-        self.norm_dtype = torch.float64 if any64 else torch.float32
-        self.total_dtype = torch.float64 if counted64 else torch.float32
         self._unions: dict[object, _Union] = {}
+
+    def add_stats(self, out: torch.Tensor, nan: torch.Tensor, p: float) -> None:
+        """Add each parameter's sum of |x|^p (max |x| for inf) into the fp64 ``out[i]``;
+        ``nan`` counts NaN for inf (it is ``out`` itself otherwise)."""
+        raise NotImplementedError
 
     def local(self, p: float) -> torch.Tensor:
         """fp64 ``[stat of each parameter..., stat of the counted total]`` on this rank.
@@ -278,14 +274,13 @@ class ParamNormPass:
         """
         out = torch.zeros(self.n + 1, dtype=torch.float64, device=self.device)
         nan = torch.zeros_like(out) if p == INF else out
-        for buf, table in self._tables:
-            ops.backend_for(buf.device, self.options).segment_stats_(buf, table, p, out, nan)
+        self.add_stats(out, nan, p)
         if p == INF:
             out = torch.where(nan > 0, torch.full_like(out, math.nan), out)
         stats = out[: self.n]
         counted = torch.where(self._mask, stats, torch.zeros_like(stats))
         total = counted.amax() if p == INF and self.n else counted.sum()
-        out[self.n] = total  # the last slot collected boundary blocks; it is the total now
+        out[self.n] = total  # whatever a pass left in the last slot, it is the total now
         return out
 
     def union(self, group, key: object) -> _Union:
@@ -318,3 +313,83 @@ class ParamNormPass:
         if total.dtype != self.total_dtype:
             total = total.to(self.total_dtype)
         return ParamNorms(total, vec[:-1], names, counted, p)
+
+    def norms(
+        self,
+        p: float,
+        replay: Callable[[object, Callable[[], torch.Tensor]], torch.Tensor],
+        group=None,
+        reducer: tuple | None = None,
+    ) -> ParamNorms:
+        """Every parameter's norm and the total: one pass, with ``group`` one all-reduce.
+
+        ``replay``: a :class:`~buffers.graphs.GraphReplayer` (everything up to the
+        finished norms is one replay, one copy out). ``reducer``: ``GroupReducer.args()``
+        for ``group``; an NCCL all-reduce is captured in the graph, others run between
+        replays.
+        """
+        if group is None:
+            vec = replay(("per_param", p), lambda: self.finished(self.local(p), p)).clone()
+            return self.split(vec, p, self.names, self.counted)
+        reduce, capture_reduce, reduce_key = reducer
+        union = self.union(group, reduce_key)
+        if capture_reduce:  # the all-reduce inside the graph, as NormClip.norm_reduced
+            key = ("per_param_reduced", p, reduce_key)
+            vec = replay(
+                key, lambda: self.finished(reduce(self.wire(self.local(p), union)), p)
+            ).clone()
+        else:
+            local = replay(("per_param_stats", p), lambda: self.local(p))
+            vec = self.finished(reduce(self.wire(local, union)), p)
+        return self.split(vec, p, union.names, union.counted)
+
+
+class ParamNormPass(ParamStats):
+    """Per-parameter stats of every flat buffer in one segmented pass each (built once).
+
+    Args:
+        plan: the layout (slots of every buffer).
+        buffers: the flat buffers, by dtype.
+        names: parameter names by plan index.
+        device: where results live.
+        options: backend choice.
+    """
+
+    def __init__(
+        self,
+        plan: LayoutPlan,
+        buffers: Mapping[torch.dtype, torch.Tensor],
+        names: Sequence[str],
+        device: torch.device,
+        options: BufferOptions = DEFAULT,
+    ) -> None:
+        n = len(names)
+        counted = [True] * n
+        for b in plan.buffers.values():
+            for s in b.slots:
+                counted[s.index] = s.counted
+        any64 = torch.float64 in plan.buffers
+        counted64 = any(
+            dt == torch.float64 and any(s.counted for s in b.slots)
+            for dt, b in plan.buffers.items()
+        )
+        super().__init__(
+            names,
+            counted,
+            device,
+            options,
+            norm_dtype=torch.float64 if any64 else torch.float32,
+            total_dtype=torch.float64 if counted64 else torch.float32,
+        )
+        self._tables = []
+        for dt, b in plan.buffers.items():
+            slots = [(s.offset, s.numel, s.index) for s in b.slots]
+            table = build_segment_table(b.numel, slots, n, device)
+            backend = ops.backend_for(buffers[dt].device, options)
+            backend.prepare_segments(buffers[dt], table)
+            self._tables.append((buffers[dt], table))
+
+    def add_stats(self, out: torch.Tensor, nan: torch.Tensor, p: float) -> None:
+        # Boundary blocks go to slot n (the table's dump); local() overwrites it.
+        for buf, table in self._tables:
+            ops.backend_for(buf.device, self.options).segment_stats_(buf, table, p, out, nan)

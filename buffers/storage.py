@@ -264,26 +264,10 @@ class FlatGradBuffers:
             self._param_pass = ParamNormPass(
                 self.plan, self.buffers, names, self.device, self.options
             )
-        pp = self._param_pass
-        replay = self._norm_clip.replay
-
-        def local() -> torch.Tensor:
-            return pp.local(p)
-
-        # Everything up to the finished norms is one replay; one copy of its output.
         if group is None:
-            vec = replay(("per_param", p), lambda: pp.finished(local(), p)).clone()
-            return pp.split(vec, p, pp.names, pp.counted)
+            return self._param_pass.norms(p, self._norm_clip.replay)
         reducer = graphs.GroupReducer(p, group, self.device, self.options)
-        reduce, capture_reduce, reduce_key = reducer.args()
-        union = pp.union(group, reduce_key)
-        if capture_reduce:  # the all-reduce inside the graph, as NormClip.norm_reduced
-            key = ("per_param_reduced", p, reduce_key)
-            vec = replay(key, lambda: pp.finished(reduce(pp.wire(local(), union)), p)).clone()
-        else:
-            stats = reduce(pp.wire(replay(("per_param_stats", p), local), union))
-            vec = pp.finished(stats, p)
-        return pp.split(vec, p, union.names, union.counted)
+        return self._param_pass.norms(p, self._norm_clip.replay, group, reducer.args())
 
     @overload
     def clip_grad_norm_(

@@ -10,7 +10,6 @@ import torch
 from buffers import graphs, ops
 from buffers.graphs import NormClip
 from buffers.options import DEFAULT, BufferOptions
-from buffers.param_norms import ParamNorms, gather_union, to_wire
 
 from . import offload, seam
 from .ddp import counted_records
@@ -636,21 +635,7 @@ def _per_param(owner, children, group):
         targets = [t for c in children for t in c._flat.targets]
         pn = MegatronParamNorms(targets, owner._flat_names, nc.device, nc.options)
         owner._flat_param_norms = pn
-    reduce, capture_reduce, reduce_key = FlatNormOptimizer._flat_reducer(owner, group)
-    unions = owner.__dict__.setdefault("_flat_unions", {})
-    if reduce_key not in unions:
-        unions[reduce_key] = gather_union(pn.names, pn.counted, group, nc.device)
-    union = unions[reduce_key]
-
-    def finished(stats):
-        return ops.finish_norm(stats, 2.0).float()
-
-    if capture_reduce:
-        key = ("per_param_reduced", reduce_key)
-        vec = nc.replay(key, lambda: finished(reduce(to_wire(pn.local(), union)))).clone()
-    else:
-        vec = finished(reduce(to_wire(nc.replay(("per_param_stats",), pn.local), union)))
-    return ParamNorms(vec[-1], vec[:-1], union.names, union.counted, 2.0)
+    return pn.norms(2.0, nc.replay, group, FlatNormOptimizer._flat_reducer(owner, group))
 
 
 _CLASSES: dict[type, type] = {}

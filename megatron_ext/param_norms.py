@@ -26,6 +26,7 @@ import torch
 
 from buffers import ops
 from buffers.options import DEFAULT, BufferOptions
+from buffers.param_norms import ParamNorms, ParamStats
 from buffers.segments import SpanSegments
 from buffers.spans import Span, intersect_spans, to_local
 
@@ -107,7 +108,7 @@ def target_segments(
     return base, pieces
 
 
-class MegatronParamNorms:
+class MegatronParamNorms(ParamStats):
     """Per-parameter stats over the flat targets of one or more optimizers (built once).
 
     Args:
@@ -117,6 +118,8 @@ class MegatronParamNorms:
         names: ``id(parameter) -> global name`` (:func:`global_param_names`).
         device: where results live.
         options: backend choice.
+
+    Norms and total are fp32, as megatron-core's grad norm.
     """
 
     def __init__(
@@ -140,30 +143,17 @@ class MegatronParamNorms:
                     raise ValueError(f"parameter {name!r} is both counted and not on one rank")
                 spans.append((lo, hi, index[name]))
             self._parts.append(SpanSegments(base, spans))
-        self.names: tuple[str, ...] = tuple(index)
-        self.counted: tuple[bool, ...] = tuple(counted)
-        self.device = device
-        self.options = options
-        self._mask = torch.tensor(self.counted, dtype=torch.bool).to(device)
-        self._unions: dict[object, object] = {}
+        super().__init__(tuple(index), counted, device, options)
 
-    def local(self, p: float = 2.0) -> torch.Tensor:
-        """fp64 ``[sum of |x|^p per parameter..., counted total]`` on this rank (no sync)."""
-        n = len(self.names)
-        out = torch.zeros(n + 1, dtype=torch.float64, device=self.device)
+    def add_stats(self, out: torch.Tensor, nan: torch.Tensor, p: float) -> None:
         for part in self._parts:
-            part.add_(out, out, p, ops.backend_for(part.base.device, self.options))
-        stats = out[:n]
-        out[n] = torch.where(self._mask, stats, torch.zeros_like(stats)).sum()
-        return out
+            part.add_(out, nan, p, ops.backend_for(part.base.device, self.options))
 
 
-def concat_norms(parts: Sequence) -> object:
+def concat_norms(parts: Sequence[ParamNorms]) -> ParamNorms:
     """One :class:`~buffers.param_norms.ParamNorms` from several over disjoint names
     (children of a chain reduced over different groups): the total is the 2-norm of the
     parts' totals, as megatron-core combines its children's norms."""
-    from buffers.param_norms import ParamNorms
-
     if len(parts) == 1:
         return parts[0]
     total = torch.stack([p.total for p in parts]).square().sum().sqrt()
