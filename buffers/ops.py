@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from .options import DEFAULT, BufferOptions
-from .segments import SegmentTable, torch_segment_stats_
+from .segments import SegmentTable, SpanSegments, torch_segment_stats_
 
 INF = math.inf
 
@@ -202,31 +202,29 @@ class TritonBackend(TorchBackend):
     def prepare(self, views: Sequence[torch.Tensor]) -> None:
         self._table(views)
 
-    def _segment_tiles(self, buf: torch.Tensor, table: SegmentTable):
-        """The tiles of every slot of ``buf`` and the segment id of each tile (cached)."""
+    def _slot_spans(self, buf: torch.Tensor, table: SegmentTable) -> SpanSegments | None:
+        """The slots of ``table`` as :class:`SpanSegments` with their tiles (cached)."""
         from . import triton_kernels as tk
 
         if buf.dim() != 1 or not buf.is_contiguous() or buf.dtype not in tk.DTYPES:
             return None
         if table not in self._segment_cache:
-            tiles = tk.TileTable(buf, [(lo, hi) for lo, hi, _ in table.slots], short=True)
-            ids = torch.tensor([i for _, _, i in table.slots], dtype=torch.int64)
-            self._segment_cache[table] = (tiles, ids.to(buf.device))
+            spans = SpanSegments(buf, table.slots)
+            spans.tiles()
+            self._segment_cache[table] = spans
         return self._segment_cache[table]
 
     def segment_stats_(self, buf, table, p, out, nan) -> None:
-        found = self._segment_tiles(buf, table) if p == 2.0 else None
-        if found is None:
+        spans = self._slot_spans(buf, table) if p == 2.0 else None
+        if spans is None:
             return super().segment_stats_(buf, table, p, out, nan)
         # One launch over every slot's tiles (tiles never cross a slot), one more adding
         # each slot's tile partials in fp64; then one index_add_ of a value per slot (one
         # per parameter: no two atomics on one address in the usual one-slot case).
-        tiles, slot_seg = found
-        if slot_seg.numel():
-            out.index_add_(0, slot_seg, tiles.span_sumsq(buf))
+        spans.triton_sumsq_(out, buf)
 
     def prepare_segments(self, buf: torch.Tensor, table: SegmentTable) -> None:
-        self._segment_tiles(buf, table)
+        self._slot_spans(buf, table)
 
 
 class TransformerEngineBackend(TorchBackend):

@@ -176,9 +176,10 @@ class SpanSegments:
     For layouts the plan does not describe (megatron-core's buffers, where a rank owns only
     some elements and the rest must not be read): ``spans`` are ``(lo, hi, id)``, any
     number per id, never overlapping. On CUDA with the Triton backend and p = 2 one tile
-    launch covers every span and one more adds each span's tiles in fp64 (as
-    :meth:`TritonBackend.segment_stats_ <buffers.ops.TritonBackend.segment_stats_>`);
-    otherwise one ``vector_norm`` per span (the fallback: the CPU and other orders).
+    launch covers every span and one more adds each span's tiles in fp64 (also what
+    :meth:`TritonBackend.segment_stats_ <buffers.ops.TritonBackend.segment_stats_>` runs
+    over a plan's slots); otherwise one ``vector_norm`` per span (the fallback: the CPU and
+    other orders).
     """
 
     def __init__(self, base: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> None:
@@ -192,17 +193,29 @@ class SpanSegments:
         self.ids = torch.tensor([i for _, _, i in self.spans], dtype=torch.int64).to(base.device)
         self._tiles = None
 
+    def tiles(self):
+        """The Triton tile table of these spans, cut short at each span (built once)."""
+        if self._tiles is None:
+            from . import triton_kernels as tk
+
+            spans = [(lo, hi) for lo, hi, _ in self.spans]
+            self._tiles = tk.TileTable(self.base, spans, short=True)
+        return self._tiles
+
+    def triton_sumsq_(self, out: torch.Tensor, base: torch.Tensor | None = None) -> None:
+        """Add each span's sum of squares into ``out[id]`` with the Triton kernels (the
+        tile table holds offsets only: ``base``, default the tensor given at construction,
+        may be another tensor of the same layout)."""
+        if self.spans:
+            base = self.base if base is None else base
+            out.index_add_(0, self.ids, self.tiles().span_sumsq(base))
+
     def add_(self, out: torch.Tensor, nan: torch.Tensor, p: float, backend) -> None:
         """Add each span's sum of |x|^p (max |x| for inf) into the fp64 ``out[id]``."""
         if not self.spans:
             return
         if p == 2.0 and backend.name == "triton" and self._triton_ok():
-            if self._tiles is None:
-                from . import triton_kernels as tk
-
-                spans = [(lo, hi) for lo, hi, _ in self.spans]
-                self._tiles = tk.TileTable(self.base, spans, short=True)
-            out.index_add_(0, self.ids, self._tiles.span_sumsq(self.base))
+            self.triton_sumsq_(out)
             return
         acc = torch.promote_types(self.base.dtype, torch.float32)
         norms = torch.stack(
