@@ -28,7 +28,9 @@ rows only: median over 15 bursts, 3 per round, of the mean host seconds per call
 calls are issued back to back), bandwidth_Bps,
 floor_s, ratio (time_s / floor_s), host_syncs (null on the CPU), norm, norm_ref (fp64),
 rel_err, per_param_rel_err (``per_param`` rows: the largest relative error of one
-parameter's norm against its fp64 norm), note, error, error_at``; and DIR/norm_clip.png.
+parameter's norm against its fp64 norm), note, error, error_at, host_profile (with
+``--host-profile N``: the functions with the most own host time per call over N profiled
+calls, also printed)``; and DIR/norm_clip.png.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ RECORD_FIELDS = (
     "host_time_burst_s",
     "bandwidth_Bps", "floor_s", "ratio", "host_syncs",
     "norm", "norm_ref", "rel_err", "per_param_rel_err", "note", "error", "error_at",
+    "host_profile",
 )  # fmt: skip
 SEED = 1234
 # Gradient bytes per model inventory with --scale auto, and of the scaling series.
@@ -110,7 +113,17 @@ def parse_args(argv: list[str] | None):
         "(the coefficient clamps to 1); per_param (every parameter's norm) "
         "(default: %(default)s)",
     )
+    ap.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="CALLS",
+        help="also profile CALLS calls of every op with cProfile and record the functions "
+        "with the most own host time per call (field host_profile; default: off)",
+    )
     args = ap.parse_args(argv)
+    if args.host_profile < 0:
+        ap.error("--host-profile takes a number of calls >= 0")
     if args.variants is None:
         skip = CUDA_ONLY if args.device != "cuda" else set()
         args.variants = ",".join(v for v in VARIANTS if v not in skip)
@@ -248,8 +261,10 @@ def run_variant(
     warmup: int,
     reps: int,
     ops: list[str],
+    profile_calls: int = 0,
 ) -> list[dict]:
-    """Records of one variant on one inventory, one per op; failures become error records."""
+    """Records of one variant on one inventory, one per op; failures become error records.
+    ``profile_calls``: also cProfile that many calls of each measured op (host_profile)."""
     base = {
         "inventory": inv.name,
         "series": "scaling" if inv.name.startswith("scaling_") else "model",
@@ -286,6 +301,12 @@ def run_variant(
         host = measure_host(prep, measured, device, reps, burst)
         for rec in records:
             rec |= host.get(rec["op"], {})
+            if profile_calls and rec["op"] in measured:
+                rec["host_profile"] = common.host_profile(
+                    _call(prep, rec["op"]), device, profile_calls
+                )
+                print(f"host profile, {inv.name} {row_label(rec)} {rec['op']}:", file=sys.stderr)
+                print("\n".join(rec["host_profile"]), file=sys.stderr)
     return records
 
 
@@ -431,7 +452,9 @@ def run(args, device: torch.device) -> list[dict]:
         bar.set_postfix_str(f"{inv.name} {label}")
         if inv.nbytes not in bandwidth:
             bandwidth[inv.nbytes] = common.copy_bandwidth(inv.nbytes, device, warmup, reps)
-        records += run_variant(label, inv, device, bandwidth[inv.nbytes], warmup, reps, ops)
+        records += run_variant(
+            label, inv, device, bandwidth[inv.nbytes], warmup, reps, ops, args.host_profile
+        )
         release(device)
     return records
 

@@ -317,3 +317,17 @@ def test_cpu_megatron_rows_are_labelled_as_a_reimplementation(norm_clip_run):
     script, _, records = norm_clip_run
     labels = {script.row_label(r) for r in records if r["variant"] == "megatron"}
     assert labels == {"megatron/cpu_reimpl"}  # the table's and the plot's label
+
+
+def test_norm_clip_host_profile_names_our_functions(tmp_path):
+    script = load_script("norm_clip")
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--scale", "0.002", "--reps", "1"]
+    argv += ["--ops", "norm,per_param", "--variants", "flat", "--scaling-counts", ""]
+    records = script.main(argv + ["--host-profile", "3"])
+    assert records and all(len(r["host_profile"]) > 0 for r in records)
+    per_param = [r for r in records if r["op"] == "per_param"]
+    assert any("param_norms.py" in line for r in per_param for line in r["host_profile"])
+    off = script.main(argv)  # off by default: no field filled
+    assert all(r["host_profile"] is None for r in off)
+    with pytest.raises(SystemExit):
+        script.parse_args(argv + ["--host-profile", "-1"])

@@ -178,10 +178,18 @@ def test_save_at_20_and_resume_reproduce_steps_21_to_30(tmp_path):
     assert sorted(resumed.losses) == list(range(21, 31))
     for i in range(1, 21):
         assert first.losses[i] == whole.losses[i], i
+    # Every step side by side, so a failure shows where the runs part (loss i is the forward
+    # before update i; norm i is update i's gradient norm).
+    table = "\n".join(
+        f"{i}: loss {whole.losses[i]:.6f} / {resumed.losses[i]:.6f}, norm {b['norm']:.6e} / "
+        f"{a['norm']:.6e}, zeros {b['zeros']} / {a['zeros']}"
+        for i, a, b in zip(range(21, 31), resumed.steps[0], whole.steps[0][20:], strict=True)
+    )
+    print(f"iteration: uninterrupted / resumed\n{table}")
     for i in range(21, 31):
-        assert rel(resumed.losses[i], whole.losses[i]) <= 1e-6, (i, resumed.losses[i])
+        assert rel(resumed.losses[i], whole.losses[i]) <= 1e-6, table
     for a, b in zip(resumed.steps[0], whole.steps[0][20:], strict=True):
-        assert rel(a["norm"], b["norm"]) <= 1e-6 and a["zeros"] == b["zeros"], (a, b)
+        assert rel(a["norm"], b["norm"]) <= 1e-6 and a["zeros"] == b["zeros"], table
 
 
 @pytest.mark.parametrize("ranks", [2])

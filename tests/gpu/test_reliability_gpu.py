@@ -191,6 +191,72 @@ def test_checkpoint_round_trip_then_identical_training(tmp_path, fmt, saved_with
             assert a == pytest.approx(b, rel=1e-5)
 
 
+def offloaded_state(opt) -> list[tuple[str, object]]:
+    """What the CPU-offload optimizer steps with, per parameter in group order: the inner
+    parameter it updates (the fp32 master or the CPU copy) and the state its sub-optimizer
+    holds for that inner parameter (``step`` as a number)."""
+    out = []
+    for c, child in enumerate(opt.chained_optimizers):
+        hdo = child.optimizer
+        for g, group in enumerate(hdo.param_groups):
+            for i, p in enumerate(group["params"]):
+                where = f"child {c} group {g} param {i} {tuple(p.shape)}"
+                inner = hdo.param_to_inner_param[p]
+                out.append((f"{where} inner", inner.detach().cpu().clone()))
+                subs = [o for o in hdo.sub_optimizers if inner in o.state]
+                assert len(subs) == 1, f"{where}: in {len(subs)} sub-optimizers' state"
+                for key, value in sorted(subs[0].state[inner].items()):
+                    if key == "master_param":
+                        continue
+                    if key == "step":
+                        value = float(value)
+                    elif isinstance(value, torch.Tensor):
+                        value = value.detach().cpu().clone()
+                    out.append((f"{where} {key}", value))
+    return out
+
+
+def differences(got, want) -> list[str]:
+    assert [k for k, _ in got] == [k for k, _ in want]
+    out = []
+    for (key, a), (_, b) in zip(got, want, strict=True):
+        if isinstance(a, torch.Tensor):
+            if not torch.equal(a, b):
+                out.append(f"{key}: max |diff| {float((a.double() - b.double()).abs().max()):.3e}")
+        elif a != b:
+            out.append(f"{key}: {a} vs {b}")
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_offloaded_precision_aware_checkpoint_resumes_bit_for_bit(tmp_path, fmt, fraction):
+    """Megatron-LM's --load with --use-precision-aware-optimizer --optimizer-cpu-offload:
+    save after three steps, load into a never-stepped optimizer (fp32 islands included),
+    then the inner parameters, every sub-optimizer state (``step`` per parameter) and
+    three more steps must equal the run that saved."""
+    kw = dict(
+        use_precision_aware_optimizer=True,
+        optimizer_cpu_offload=True,
+        optimizer_offload_fraction=fraction,
+    )
+    model, opt = build(True, **kw)
+    train(model, opt, 3)
+    save(model, opt, tmp_path / "ckpt", fmt)
+    want = offloaded_state(opt)
+    other, other_opt = build(True, seed=1, **kw)
+    load(other, other_opt, tmp_path / "ckpt", fmt)
+    for name, p in params_of(other).items():
+        assert torch.equal(p, params_of(model)[name]), f"{name} differs after loading"
+    after_load = differences(offloaded_state(other_opt), want)
+    continued = train(model, opt, 3, first_step=3)
+    resumed = train(other, other_opt, 3, first_step=3)
+    after_steps = differences(offloaded_state(other_opt), offloaded_state(opt))
+    report = "\n".join(["after loading:", *after_load, "after 3 more steps:", *after_steps])
+    assert not after_load and not after_steps, report
+    assert continued == resumed, (continued, resumed)
+
+
 def test_float16_optimizer_checkpoint_round_trip_then_identical_training(tmp_path):
     """The non-distributed mixed-precision optimizer (Float16OptimizerWithFloat16Params),
     with fp32 parameters beside bf16 biases in one group: on->on round trip, then training
