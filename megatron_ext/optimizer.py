@@ -426,13 +426,20 @@ class FlatNormOptimizer:
         return _float16_sharded_state_dict(self, model_sharded_state_dict, *args, **kwargs)
 
     def load_state_dict(self, state_dict):
-        """megatron-core's load, then one ``step`` tensor per parameter again.
+        """megatron-core's load, then the CPU-offload optimizer's sub-optimizers synced to
+        the loaded state, then one ``step`` tensor per parameter again.
 
-        Without TE/Apex, megatron-core 0.19.2 gives every parameter's torch Adam state the
-        same ``step`` tensor object; torch's Adam then increments that one tensor once per
-        parameter per step, and the bias correction after a resume is wrong.
+        megatron-core 0.19.2 sets the loaded parameter state into its CPU-offload
+        optimizer's state after that optimizer's own post-load sync (it syncs again only
+        for the ``fully_sharded_model_space`` format): GPU-resident parameters' moments stay
+        on the CPU and the next GPU step fails (seen on the GPU at offload fraction 0.5).
+        Without TE/Apex it also gives every parameter's torch Adam state the same ``step``
+        tensor object; torch's Adam then increments that one tensor once per parameter per
+        step, and the bias correction after a resume is wrong.
         """
         self._flat_base.load_state_dict(self, state_dict)
+        if isinstance(self.optimizer, seam.target("HybridDeviceOptimizer")):
+            seam.target("hdo sync after load")(self.optimizer)
         seen = set()
         for state in self.optimizer.state.values():
             step = state.get("step")

@@ -249,6 +249,12 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("hdo load", f"{_HDO}:HybridDeviceOptimizer._update_fp32_params_by_new_state",
           "override", "loads natively fp32 parameters too",
           "0.19.2 raises KeyError for them when loading a checkpoint", params=()),
+    Entry("hdo sync after load",
+          f"{_HDO}:HybridDeviceOptimizer._sync_hdo_state_to_sub_optimizers", "call",
+          "after a distributed-optimizer load: sub-optimizer states, inner parameters and "
+          "devices from the loaded state",
+          "0.19.2 syncs only for fully_sharded_model_space; in the other formats GPU "
+          "parameters' moments stay on the CPU (the next step fails)", params=()),
     Entry("hdo refresh", f"{_HDO}:HybridDeviceOptimizer.update_fp32_param_by_new_param",
           "override", "refreshes natively fp32 inner copies too", "0.19.2 skips them",
           params=()),
