@@ -3,8 +3,8 @@
 # each under its own time limit, logging to $OUT/<step>.log. Usage: gpu_session.sh STEP...
 # Steps: tests, multirank, pytest, example, norm_clip, memory, train_step, offload, clip_step,
 # megatron_lm (tests/gpu/test_megatron_lm_gpu.py, -k "$MEGATRON_LM_K"; scripts from
-# .megatron-lm/ unless MEGATRON_LM_PATH is set), pytest (the tests named in PYTEST_ARGS, e.g.
-# "tests/gpu/test_x.py -k name"). NORM_CLIP_ARGS replaces norm_clip's extra args.
+# .megatron-lm/ unless MEGATRON_LM_PATH is set), pytest (the files in PYTEST_ARGS, with
+# -k "$PYTEST_K"). NORM_CLIP_ARGS replaces norm_clip's extra args.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -30,7 +30,7 @@ for s in "$@"; do
       -m cuda -s -rfE tests/gpu/test_multirank_gpu.py ;;
     pytest) read -ra targets <<< "${PYTEST_ARGS:?pytest step: set PYTEST_ARGS}"
       step pytest ${PYTEST_LIMIT:-300} python3 -m pytest -p no:cacheprovider -q -m "cuda or not cuda" \
-      -s -rfE "${targets[@]}" ;;
+      -s -rfE "${targets[@]}" -k "${PYTEST_K:-not nothing}" ;;
     example) step example 120 python3 examples/megatron_quickstart.py ;;
     megatron_lm) MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-$PWD/.megatron-lm} \
       MEGATRON_LM_TIMEOUT=${MEGATRON_LM_TIMEOUT:-150} step megatron_lm ${MEGATRON_LM_LIMIT:-400} \
