@@ -193,6 +193,8 @@ def measure(prep: Prepared, op: str, device: torch.device, warmup: int, reps: in
     extra = {}
     if op == "per_param":
         norms = call().double()
+        if prep.per_param_order is not None:
+            norms = norms.index_select(0, prep.per_param_order)
         want = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in prep.grads])
         norm = float(torch.linalg.vector_norm(norms))
         extra["per_param_rel_err"] = float(((norms - want).abs() / want).max())

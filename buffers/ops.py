@@ -325,18 +325,24 @@ def local_power_stat(
     return stacked.max() if p == INF else stacked.sum()
 
 
-def all_reduce_stat(stat: torch.Tensor, p: float, group) -> torch.Tensor:
+def all_reduce_stat(
+    stat: torch.Tensor, p: float, group, wire_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Combine per-rank stats with exactly one all-reduce (SUM, or MAX for inf).
 
     Returns the reduced stat in ``stat``'s dtype (``stat`` itself, reduced in place, when
     the wire dtype is its own). The all-reduce's dtype must be the same on every rank,
-    whichever buffers each holds (a rank without fp64 gradients has an fp32 stat): it is
-    fp64 for CPU tensors (gloo), so fp64 gradients keep their range across ranks, and fp32
-    on other devices, as megatron-core reduces its norms.
+    whichever buffers each holds (a rank without fp64 gradients has an fp32 stat): by
+    default it is fp64 for CPU tensors (gloo), so fp64 gradients keep their range across
+    ranks, and fp32 on other devices, as megatron-core reduces its norms. ``wire_dtype``:
+    another dtype, when the caller knows every rank's stat has it (per-parameter stats:
+    fp64 everywhere, reduced as they are, without two casts).
     """
     import torch.distributed as dist
 
-    wire = stat.to(torch.float64 if stat.device.type == "cpu" else torch.float32)
+    if wire_dtype is None:
+        wire_dtype = torch.float64 if stat.device.type == "cpu" else torch.float32
+    wire = stat.to(wire_dtype)
     if p != INF:
         dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group)
         return wire.to(stat.dtype)

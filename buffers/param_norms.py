@@ -260,6 +260,7 @@ class ParamStats:
         self.norm_dtype = norm_dtype
         self.total_dtype = total_dtype
         self._mask = torch.tensor(self.counted, dtype=torch.bool, device=device)
+        self._all_counted = all(self.counted)
         self._unions: dict[object, _Union] = {}
 
     def add_stats(self, out: torch.Tensor, nan: torch.Tensor, p: float) -> None:
@@ -278,9 +279,13 @@ class ParamStats:
         if p == INF:
             out = torch.where(nan > 0, torch.full_like(out, math.nan), out)
         stats = out[: self.n]
-        counted = torch.where(self._mask, stats, torch.zeros_like(stats))
-        total = counted.amax() if p == INF and self.n else counted.sum()
-        out[self.n] = total  # whatever a pass left in the last slot, it is the total now
+        # Whatever a pass left in the last slot, it is the total now (written by the
+        # reduction itself: one launch when every parameter counts, two otherwise).
+        counted = stats if self._all_counted else torch.where(self._mask, stats, 0.0)
+        if p == INF:
+            out[self.n] = counted.amax() if self.n else 0.0
+        else:
+            torch.sum(counted, dim=0, out=out[self.n])
         return out
 
     def union(self, group, key: object) -> _Union:
@@ -303,6 +308,8 @@ class ParamStats:
             if torch.float64 in (self.norm_dtype, self.total_dtype)
             else (torch.float32)
         )
+        if p == 2.0:  # the root and the cast in one launch
+            return torch.sqrt(stats, out=torch.empty(stats.shape, dtype=dtype, device=stats.device))
         return ops.finish_norm(stats, p).to(dtype)
 
     def split(
@@ -331,7 +338,14 @@ class ParamStats:
         if group is None:
             vec = replay(("per_param", p), lambda: self.finished(self.local(p), p)).clone()
             return self.split(vec, p, self.names, self.counted)
-        reduce, capture_reduce, reduce_key = reducer
+        # The reducer's group and whether a graph may hold its all-reduce; the vector goes
+        # over the wire in fp64 as it is (every rank's local() is fp64), not cast to fp32
+        # and back as a total norm's stat is.
+        _, capture_reduce, reduce_key = reducer
+
+        def reduce(vec: torch.Tensor) -> torch.Tensor:
+            return ops.all_reduce_stat(vec, p, group, wire_dtype=vec.dtype)
+
         union = self.union(group, reduce_key)
         if capture_reduce:  # the all-reduce inside the graph, as NormClip.norm_reduced
             key = ("per_param_reduced", p, reduce_key)

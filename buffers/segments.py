@@ -190,7 +190,9 @@ class SpanSegments:
         for lo, hi, _ in self.spans:
             if lo < 0 or hi > base.numel():
                 raise ValueError(f"span [{lo}, {hi}) is outside a tensor of {base.numel()}")
-        self.ids = torch.tensor([i for _, _, i in self.spans], dtype=torch.int64).to(base.device)
+        ids = [i for _, _, i in self.spans]
+        self.ids = torch.tensor(ids, dtype=torch.int64).to(base.device)
+        self.distinct = len(set(ids)) == len(ids)  # then the Triton sum adds in place
         self._tiles = None
 
     def tiles(self):
@@ -206,8 +208,12 @@ class SpanSegments:
         """Add each span's sum of squares into ``out[id]`` with the Triton kernels (the
         tile table holds offsets only: ``base``, default the tensor given at construction,
         may be another tensor of the same layout)."""
-        if self.spans:
-            base = self.base if base is None else base
+        if not self.spans:
+            return
+        base = self.base if base is None else base
+        if self.distinct:  # one launch adds each span into its slot
+            self.tiles().span_sumsq(base, into=(out, self.ids))
+        else:
             out.index_add_(0, self.ids, self.tiles().span_sumsq(base))
 
     def add_(self, out: torch.Tensor, nan: torch.Tensor, p: float, backend) -> None:

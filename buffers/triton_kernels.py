@@ -94,7 +94,16 @@ def _scale_kernel(
 
 @triton.jit
 def _span_sum_kernel(
-    partials, core_lo, core_hi, edge_lo, edge_hi, out, N_ITER: tl.constexpr, ROWS: tl.constexpr
+    partials,
+    core_lo,
+    core_hi,
+    edge_lo,
+    edge_hi,
+    out,
+    ids,
+    N_ITER: tl.constexpr,
+    ROWS: tl.constexpr,
+    INTO: tl.constexpr,
 ):
     # One program per span: its tiles' fp32 partials (a contiguous run of core tiles and
     # at most two edge tiles) added in fp64. A parameter of 10^9 elements has ~6 * 10^4
@@ -113,7 +122,12 @@ def _span_sum_kernel(
     e_hi = tl.load(edge_hi + s)
     e_offs = e_lo + tl.arange(0, ROWS)
     acc += tl.load(partials + e_offs, mask=e_offs < e_hi, other=0.0).to(tl.float64)
-    tl.store(out + s, tl.sum(acc, axis=0))
+    if INTO:  # add into out[ids[s]]: ids are distinct within a launch, so no two programs
+        # touch one slot (a plain read and write, deterministic; no index_add_ after)
+        slot = tl.load(ids + s)
+        tl.store(out + slot, tl.load(out + slot) + tl.sum(acc, axis=0))
+    else:
+        tl.store(out + s, tl.sum(acc, axis=0))
 
 
 def _pow2_at_least(n: int) -> int:
@@ -191,30 +205,42 @@ class TileTable:
         )
         return self.partials[: self.n]
 
-    def span_sumsq(self, base: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    def span_sumsq(
+        self,
+        base: torch.Tensor,
+        rows: int | None = None,
+        into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Sum of squares per span (fp64, one per span, in ``spans`` order): the tile
         kernel, then one program per span adding its tiles' partials. Rewritten by the
         next call. ``rows``: partials read at a time per program (a power of two >= 2);
         default: the longest span's tile count rounded up, at most 1024, so spans of a few
-        tiles (10,000 small parameters) do not each reduce 1024 lanes in fp64."""
+        tiles (10,000 small parameters) do not each reduce 1024 lanes in fp64.
+
+        ``into``: ``(out, ids)``, an fp64 vector and one distinct index per span: each
+        span's sum is added into ``out[ids[span]]`` by the same launch instead (returns
+        ``out``)."""
         if rows is None:
             rows = min(_pow2_at_least(max(self.longest_run, 2)), 1024)
+        target, ids = into if into is not None else (self.span_sums, self.core_lo)
         if self.n_spans == 0:
-            return self.span_sums
+            return target
         partials = self.partial_sumsq(base)
         if self.n == 0:
-            return self.span_sums.zero_()
+            return target if into is not None else self.span_sums.zero_()
         _span_sum_kernel[(self.n_spans,)](
             partials,
             self.core_lo,
             self.core_hi,
             self.edge_lo,
             self.edge_hi,
-            self.span_sums,
+            target,
+            ids,
             N_ITER=_pow2_at_least(-(-self.longest_run // rows)),
             ROWS=rows,
+            INTO=into is not None,
         )
-        return self.span_sums
+        return target
 
     def scale_(self, base: torch.Tensor, coeff: torch.Tensor) -> None:
         if self.n:

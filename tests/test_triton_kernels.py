@@ -36,6 +36,14 @@ SCRIPT = textwrap.dedent(
         for i, (a, b) in enumerate(spans):
             one = buf[a:b].double().square().sum().item()
             assert math.isclose(per_span[i].item(), one, rel_tol=1e-5), (dtype, i)
+        # added into given slots by the same launch (distinct ids; what was there stays)
+        out = torch.arange(6, dtype=torch.float64)
+        ids = torch.tensor([4, 0, 5, 2])
+        got_into = short.span_sumsq(buf, into=(out, ids))
+        assert got_into is out
+        want_into = torch.arange(6, dtype=torch.float64)
+        want_into[ids] += per_span
+        assert torch.equal(out, want_into), (dtype, out, want_into)
         before = buf.clone()
         table.scale_(buf, torch.tensor(1.0))
         assert torch.equal(buf, before), "coefficient 1 must leave every bit unchanged"
