@@ -228,9 +228,24 @@ def differences(got, want) -> list[str]:
     return out
 
 
+def _mixed_with_expert_fc2():
+    """The checkpointable model with fc2 marked as an expert (``allreduce = False``, as
+    megatron-core marks routed experts): expert buffers and a second optimizer in the chain,
+    as an MoE model has under Megatron-LM."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4,
+                               bf16=True, params_dtype=torch.bfloat16)  # fmt: skip
+    module = _model_class()(config)
+    for p in module.fc2.parameters():
+        p.allreduce = False
+    return module
+
+
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "experts"])
 @pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
-def test_offloaded_precision_aware_checkpoint_resumes_bit_for_bit(tmp_path, fmt, fraction):
+def test_offloaded_precision_aware_checkpoint_resumes_bit_for_bit(tmp_path, fmt, fraction, experts):
     """Megatron-LM's --load with --use-precision-aware-optimizer --optimizer-cpu-offload:
     save after three steps, load into a never-stepped optimizer (fp32 islands included),
     then the inner parameters, every sub-optimizer state (``step`` per parameter) and
@@ -239,8 +254,10 @@ def test_offloaded_precision_aware_checkpoint_resumes_bit_for_bit(tmp_path, fmt,
         use_precision_aware_optimizer=True,
         optimizer_cpu_offload=True,
         optimizer_offload_fraction=fraction,
+        module_fn=_mixed_with_expert_fc2 if experts else None,
     )
     model, opt = build(True, **kw)
+    assert len(opt.chained_optimizers) == (2 if experts else 1)
     train(model, opt, 3)
     save(model, opt, tmp_path / "ckpt", fmt)
     want = offloaded_state(opt)
