@@ -132,6 +132,31 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
     return opt
 
 
+def place_sub_optimizer_state(hdo) -> None:
+    """Every state tensor of the CPU-offload optimizer's sub-optimizers on its parameter's
+    device; ``step`` where torch's optimizer keeps it (the parameter's device when the group
+    is fused or capturable, else the CPU).
+
+    megatron-core 0.19.2's ``_move_new_state_to_right_device`` (run by its sync after a
+    load) tells the two sub-optimizers apart by class: without TE both are torch's Adam, so
+    it moves the GPU optimizer's moments to the CPU too, and the next fused GPU step fails
+    ("exp_avgs is on cpu", seen on the GPU at offload fraction 0.5). The state dicts are
+    shared with the offload optimizer's own ``state``, so both see the move.
+    """
+    cpu = torch.device("cpu")
+    for sub in hdo.sub_optimizers:
+        for group in sub.param_groups:
+            step_on_device = bool(group.get("fused") or group.get("capturable"))
+            for p in group["params"]:
+                state = sub.state.get(p)
+                for key, value in (state or {}).items():
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    want = p.device if key != "step" or step_on_device else cpu
+                    if value.device != want:
+                        state[key] = value.to(want)
+
+
 def create_state_before_loading(child) -> None:
     """Give a never-stepped distributed optimizer its state before a checkpoint loads.
 
@@ -427,7 +452,8 @@ class FlatNormOptimizer:
 
     def load_state_dict(self, state_dict):
         """megatron-core's load, then the CPU-offload optimizer's sub-optimizers synced to
-        the loaded state, then one ``step`` tensor per parameter again.
+        the loaded state (:func:`place_sub_optimizer_state`), then one ``step`` tensor per
+        parameter again.
 
         megatron-core 0.19.2 sets the loaded parameter state into its CPU-offload
         optimizer's state after that optimizer's own post-load sync (it syncs again only
@@ -440,6 +466,7 @@ class FlatNormOptimizer:
         self._flat_base.load_state_dict(self, state_dict)
         if isinstance(self.optimizer, seam.target("HybridDeviceOptimizer")):
             seam.target("hdo sync after load")(self.optimizer)
+            place_sub_optimizer_state(self.optimizer)
         seen = set()
         for state in self.optimizer.state.values():
             step = state.get("step")

@@ -235,7 +235,8 @@ ENTRIES: tuple[Entry, ...] = (
           attrs=("cpu_param_groups", "gpu_param_groups", "gpu_params_map_cpu_copy",
                  "cpu_copys_map_gpu_param", "param_to_fp32_param", "pin_cpu_grads",
                  "cpu_optimizers", "gpu_optimizer", "param_update_in_fp32",
-                 "fp32_param_to_orig_param", "param_to_inner_param", "state")),
+                 "fp32_param_to_orig_param", "param_to_inner_param", "state",
+                 "sub_optimizers")),
     Entry("hdo placement", f"{_HDO}:HybridDeviceOptimizer._get_sub_optimizer_param_groups",
           "override", "reuses the placement already made", "no second copy of every parameter",
           params=("offload_fraction",)),
@@ -251,10 +252,11 @@ ENTRIES: tuple[Entry, ...] = (
           "0.19.2 raises KeyError for them when loading a checkpoint", params=()),
     Entry("hdo sync after load",
           f"{_HDO}:HybridDeviceOptimizer._sync_hdo_state_to_sub_optimizers", "call",
-          "after a distributed-optimizer load: sub-optimizer states, inner parameters and "
-          "devices from the loaded state",
-          "0.19.2 syncs only for fully_sharded_model_space; in the other formats GPU "
-          "parameters' moments stay on the CPU (the next step fails)", params=()),
+          "after a distributed-optimizer load: sub-optimizer states and inner parameters "
+          "from the loaded state; then every state tensor on its parameter's device",
+          "0.19.2 syncs only for fully_sharded_model_space, and its sync tells the GPU "
+          "and CPU sub-optimizers apart by class (both torch Adam without TE), moving GPU "
+          "moments to the CPU: the next GPU step fails", params=()),
     Entry("hdo refresh", f"{_HDO}:HybridDeviceOptimizer.update_fp32_param_by_new_param",
           "override", "refreshes natively fp32 inner copies too", "0.19.2 skips them",
           params=()),

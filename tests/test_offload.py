@@ -726,3 +726,27 @@ def test_offload_benchmark_runs_on_cpu(tmp_path, capsys):
         assert f["pinned_bytes"] <= f["owned_bytes"]
     out = capsys.readouterr()
     assert "stand in" in out.out and out.out.rstrip().splitlines()[-1].strip()
+
+
+def test_sub_optimizer_state_goes_to_its_parameters_device():
+    """After a load, megatron-core's sync can leave a GPU sub-optimizer's moments on the CPU
+    (it tells the sub-optimizers apart by class). Each state tensor goes to its parameter's
+    device; ``step`` stays where torch keeps it (on the device only for fused/capturable
+    groups). The ``meta`` device stands in for the GPU."""
+    import types
+
+    from megatron_ext.optimizer import place_sub_optimizer_state
+
+    gpu_p = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    cpu_p = torch.nn.Parameter(torch.zeros(3))
+    gpu_opt = types.SimpleNamespace(param_groups=[{"params": [gpu_p], "fused": True}], state={})
+    cpu_opt = types.SimpleNamespace(param_groups=[{"params": [cpu_p], "fused": None}], state={})
+    gpu_opt.state[gpu_p] = {"exp_avg": torch.ones(3), "step": torch.tensor(4.0), "lr": 0.1}
+    cpu_state = {"exp_avg": torch.ones(3), "step": torch.tensor(4.0)}
+    cpu_opt.state[cpu_p] = dict(cpu_state)
+    shared = gpu_opt.state[gpu_p]  # the offload optimizer's own state holds the same dicts
+    place_sub_optimizer_state(types.SimpleNamespace(sub_optimizers=[gpu_opt, cpu_opt]))
+    assert shared["exp_avg"].device.type == "meta" and shared["step"].device.type == "meta"
+    assert shared["lr"] == 0.1
+    # already where they belong: the very same tensors (a CPU step stays on the CPU)
+    assert all(cpu_opt.state[cpu_p][k] is v for k, v in cpu_state.items())

@@ -186,8 +186,14 @@ def test_save_at_20_and_resume_reproduce_steps_21_to_30(tmp_path):
         for i, a, b in zip(range(21, 31), resumed.steps[0], whole.steps[0][20:], strict=True)
     )
     print(f"iteration: uninterrupted / resumed\n{table}")
+    # Megatron-LM logs the first iteration of every run without resetting its loss
+    # accumulator (training.py: should_reset = not is_first_iteration), so the next line
+    # shows the mean of both iterations: iteration 2 in both fresh runs, and iteration 22
+    # after the resume (seen in run 41: 6.084007 = (5.984010 + 6.184003) / 2).
+    logged = {i: whole.losses[i] for i in range(21, 31)}
+    logged[22] = (whole.losses[21] + whole.losses[22]) / 2
     for i in range(21, 31):
-        assert rel(resumed.losses[i], whole.losses[i]) <= 1e-6, table
+        assert rel(resumed.losses[i], logged[i]) <= 1e-6, table
     for a, b in zip(resumed.steps[0], whole.steps[0][20:], strict=True):
         assert rel(a["norm"], b["norm"]) <= 1e-6 and a["zeros"] == b["zeros"], table
 
