@@ -303,11 +303,8 @@ class ParamStats:
         """``[norm per name..., total norm]`` from ``[stat per name..., total stat]``, as
         one vector (one output, one copy when replayed as a graph): in the norms' dtype,
         or fp64 when only the norms are fp64 (:meth:`split` casts the total)."""
-        dtype = (
-            torch.float64
-            if torch.float64 in (self.norm_dtype, self.total_dtype)
-            else (torch.float32)
-        )
+        wide = torch.float64 in (self.norm_dtype, self.total_dtype)
+        dtype = torch.float64 if wide else torch.float32
         if p == 2.0:  # the root and the cast in one launch
             return torch.sqrt(stats, out=torch.empty(stats.shape, dtype=dtype, device=stats.device))
         return ops.finish_norm(stats, p).to(dtype)

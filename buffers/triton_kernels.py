@@ -222,6 +222,8 @@ class TileTable:
         ``out``)."""
         if rows is None:
             rows = min(_pow2_at_least(max(self.longest_run, 2)), 1024)
+        # Without ``into`` the kernel stores by span and never reads ``ids`` (any int64
+        # tensor fills the argument).
         target, ids = into if into is not None else (self.span_sums, self.core_lo)
         if self.n_spans == 0:
             return target

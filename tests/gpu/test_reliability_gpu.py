@@ -57,7 +57,7 @@ def _model_class():
 
 
 def build(option: bool, seed: int = 0, distributed: bool = True, module_fn=None, **opt_overrides):
-    """DDP (option on or off) and the optimizer around ``module_fn()`` (default: the
+    """DDP (option on or off) and the optimizer around ``module_fn(config)`` (default: the
     checkpointable bf16/fp32 model), distributed optimizer unless ``distributed=False``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -71,7 +71,7 @@ def build(option: bool, seed: int = 0, distributed: bool = True, module_fn=None,
         bf16=True,
         params_dtype=torch.bfloat16,
     )
-    module = module_fn() if module_fn is not None else _model_class()(config)
+    module = (module_fn or _model_class())(config)
     stack = megatron_ext.build_stack(
         module,
         config,
@@ -228,14 +228,10 @@ def differences(got, want) -> list[str]:
     return out
 
 
-def _mixed_with_expert_fc2():
+def _mixed_with_expert_fc2(config):
     """The checkpointable model with fc2 marked as an expert (``allreduce = False``, as
     megatron-core marks routed experts): expert buffers and a second optimizer in the chain,
     as an MoE model has under Megatron-LM."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4,
-                               bf16=True, params_dtype=torch.bfloat16)  # fmt: skip
     module = _model_class()(config)
     for p in module.fc2.parameters():
         p.allreduce = False
@@ -490,7 +486,7 @@ def test_nan_gradient_gives_nan_norm_and_stock_skip_logic_still_works():
 
 
 def test_stage_with_only_fp32_parameters_trains():
-    def fp32_only():
+    def fp32_only(_config):
         return torch.nn.Linear(HIDDEN, HIDDEN, device="cuda")
 
     model, opt = build(True, module_fn=fp32_only, clip_grad=1.0)
