@@ -4,7 +4,7 @@ the per-block copies between it and the device, built once (:mod:`megatron_ext.o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,15 +21,23 @@ class HostBlock:
     convert: tuple[torch.Tensor, torch.Tensor] | None  # CPU-dtype gradients <- staging
     pack: tuple[torch.Tensor, torch.Tensor]  # staging (device parameter dtype) <- host params
     h2d: tuple[torch.Tensor, torch.Tensor]  # device parameters <- staging
+    # (fp32 staging, device island view, CPU gradient view) of each fp32 local-accumulation
+    # parameter in this block: the optimizer reads its gradient in the island (unscaled
+    # there), not in the buffer, so the CPU gets it from there, after the block's gradients.
+    islands: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def start_d2h(self) -> None:
         dst, src = self.d2h
         dst.copy_(src, non_blocking=True)
+        for stage, device, _ in self.islands:
+            stage.copy_(device, non_blocking=True)
 
     def convert_grads(self) -> None:
         if self.convert is not None:
             dst, src = self.convert
             dst.copy_(src)
+        for stage, _, cpu in self.islands:
+            cpu.copy_(stage)
 
     def pack_params(self) -> None:
         dst, src = self.pack
@@ -54,6 +62,7 @@ class BufferMirror:
     grads_dtype: torch.dtype  # dtype of what moves device-to-host
     params_dtype: torch.dtype  # dtype of what moves host-to-device
     device_params: torch.Tensor | None = None  # flat device parameters, when built here
+    island_staging: torch.Tensor | None = None  # pinned fp32, for the blocks' island copies
 
     def cpu_views(self, span: Span) -> tuple[torch.Tensor, torch.Tensor]:
         """(parameter, gradient) host views of buffer elements ``span``."""
@@ -86,6 +95,25 @@ class BufferMirror:
             "grads_dtype": self.grads_dtype,
             "params_dtype": self.params_dtype,
         }
+
+
+def add_island_copies(
+    mirror: BufferMirror, pieces: Sequence[tuple[Span, torch.Tensor]], *, pin: bool
+) -> None:
+    """Route the gradients of ``pieces`` (buffer span, its device view in an fp32 island)
+    to the CPU from the island: one staging slice each, copied after its block's."""
+    if not pieces:
+        return
+    stage = torch.zeros(sum(v.numel() for _, v in pieces), dtype=torch.float32, pin_memory=pin)
+    mirror.island_staging = stage
+    off = 0
+    for span, view in pieces:
+        if view.numel() != span.numel:
+            raise ValueError(f"island view of {view.numel()} elements for {span}")
+        _, cpu = mirror.cpu_views(span)
+        block = mirror.blocks[mirror.layout.block_of(span)]
+        block.islands.append((stage[off : off + span.numel], view, cpu))
+        off += span.numel
 
 
 def _device_view(t: torch.Tensor, span: Span, coords: Sequence[Span] | None) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 from buffers.spans import Span
 
 from . import seam
-from .host_mirror import BufferMirror, HostBlock, build_buffer_mirror
+from .host_mirror import BufferMirror, HostBlock, add_island_copies, build_buffer_mirror
 from .offload_plan import MirrorLayout, copy_schedule, mirror_layout
 
 HybridDeviceOptimizer = seam.target("HybridDeviceOptimizer")
@@ -54,6 +54,9 @@ class OffloadSource:
     grads_coords: tuple[Span, ...] | None  # None: buffer coordinates; else owned, end to end
     param_data: torch.Tensor  # the DDP parameter buffer
     spans: dict[torch.Tensor, Span]  # every inner-optimizer parameter of this buffer
+    # (owned piece, its view in the fp32 island) of each parameter whose gradient the
+    # optimizer reads in the buffer's fp32 local-accumulation island
+    island: tuple[tuple[Span, torch.Tensor], ...] = ()
 
 
 class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
@@ -90,25 +93,11 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         self._host_blocks: list[HostBlock] = []
         block_of: dict[torch.Tensor, int] = {}
         for source in self._offload_sources:
-            mine = [(p, s) for p, s in source.spans.items() if p in offloaded]
-            if not mine:
+            built = source_mirror(source, offloaded, pin=self.pin_cpu_grads)
+            if built is None:
                 continue
-            resident = [s for p, s in source.spans.items() if p not in offloaded]
-            layout = mirror_layout(source.owned, [s for _, s in mine], resident)
-            params, params_coords, device_params = _device_params(source, layout, mine)
-            mirror = build_buffer_mirror(
-                source.name,
-                layout,
-                owned_numel=sum(s.numel for s in source.owned),
-                grads=source.grads,
-                grads_coords=source.grads_coords,
-                params=params,
-                params_coords=params_coords,
-                cpu_dtype=_one_dtype(offloaded[p] for p, _ in mine),
-                pin=self.pin_cpu_grads,
-            )
-            mirror.device_params = device_params
-            mirror.load_params()
+            mirror, mine = built
+            layout = mirror.layout
             for p, s in mine:
                 cpu = offloaded[p]
                 data, grad = mirror.cpu_views(s)
@@ -229,6 +218,43 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         return [m.stats() for m in self.host_mirrors]
 
 
+def source_mirror(source: OffloadSource, offloaded, *, pin: bool):
+    """The host mirror of one buffer's offloaded parameters, or None when it has none.
+
+    ``offloaded``: the inner parameters the CPU updates (``gpu_params_map_cpu_copy``).
+    Returns ``(mirror, [(parameter, span)])``, the mirror's parameters loaded from the device.
+    """
+    mine = [(p, s) for p, s in source.spans.items() if p in offloaded]
+    if not mine:
+        return None
+    resident = [s for p, s in source.spans.items() if p not in offloaded]
+    layout = mirror_layout(source.owned, [s for _, s in mine], resident)
+    params, params_coords, device_params = _device_params(source, layout, mine)
+    mirror = build_buffer_mirror(
+        source.name,
+        layout,
+        owned_numel=sum(s.numel for s in source.owned),
+        grads=source.grads,
+        grads_coords=source.grads_coords,
+        params=params,
+        params_coords=params_coords,
+        cpu_dtype=_one_dtype(offloaded[p] for p, _ in mine),
+        pin=pin,
+    )
+    mirror.device_params = device_params
+    known = set(source.spans.values())
+    stray = [span for span, _ in source.island if span not in known]
+    if stray:
+        raise RuntimeError(
+            f"{source.name}: the fp32-accumulation gradient at {stray[0]} matches no parameter "
+            "of the optimizer; pass host_mirrors=False to get_megatron_optimizer"
+        )
+    offloaded_spans = {s for _, s in mine}
+    add_island_copies(mirror, [x for x in source.island if x[0] in offloaded_spans], pin=pin)
+    mirror.load_params()
+    return mirror, mine
+
+
 def _one_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
@@ -306,6 +332,10 @@ def offload_sources(child) -> tuple[OffloadSource, ...]:
                 grads_coords=target.spans.owned if mirrored else None,
                 param_data=buf.param_data,
                 spans=per_buffer.get(i, {}),
+                island=tuple(
+                    (piece, target.island[at.start : at.end])
+                    for _, piece, at in target.island_pieces
+                ),
             )
         )
     return tuple(sources)

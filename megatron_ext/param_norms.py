@@ -85,27 +85,37 @@ def _rename(name: str, layer_prefix: Mapping, expert_offset: Mapping) -> str:
 
 def target_segments(
     target: BufferTarget, names: Mapping[int, str]
-) -> tuple[torch.Tensor, list[tuple[int, int, str, bool]]]:
+) -> list[tuple[torch.Tensor, list[tuple[int, int, str, bool]]]]:
     """What the norm of ``target`` reads, cut per parameter.
 
-    Returns the tensor the norm reads (the gradient buffer, or the mirror when the norm
-    reads it) and ``(lo, hi, name, counted)`` for every piece of a parameter this rank
+    Returns ``(tensor, pieces)`` for each tensor the norm reads: the gradient buffer (or the
+    mirror when the norm reads it), then the fp32 island when the norm reads its parameters
+    there; ``pieces`` is ``(lo, hi, name, counted)`` for every piece of a parameter this rank
     owns, in that tensor's coordinates (uncounted parameters too: they are reported).
     """
     buf = target.buffer
     verdicts = {(r.start, r.end): r.excluded_because is None for r in target.records}
     base = target.mirror if target.norm_reads_mirror else buf.grad_data
-    pieces = []
+    in_island: dict[int, list[Span]] = {}
+    for start, _piece, at in target.island_pieces:
+        in_island.setdefault(start, []).append(at)
+    pieces, island_pieces = [], []
     for p, (start, end, _) in buf.param_index_map.items():
+        name = names.get(id(p), f"<unnamed {start}>")
+        counted = verdicts.get((start, end), True)
+        if start in in_island and end > start:
+            island_pieces.extend((s.start, s.end, name, counted) for s in in_island[start])
+            continue
         owned = intersect_spans([Span(start, end)], target.spans.owned) if end > start else ()
         if target.norm_reads_mirror:
             owned = to_local(owned, target.spans.owned)
-        name = names.get(id(p), f"<unnamed {start}>")
-        counted = verdicts.get((start, end), True)
         if not owned:  # still reported (zero here), so every rank lists the same names
             pieces.append((0, 0, name, counted))
         pieces.extend((s.start, s.end, name, counted) for s in owned)
-    return base, pieces
+    out = [(base, pieces)]
+    if island_pieces:
+        out.append((target.island, island_pieces))
+    return out
 
 
 class MegatronParamNorms(ParamStats):
@@ -133,16 +143,16 @@ class MegatronParamNorms(ParamStats):
         counted: list[bool] = []
         self._parts: list[SpanSegments] = []
         for t in targets:
-            base, pieces = target_segments(t, names)
-            spans = []
-            for lo, hi, name, c in pieces:
-                if name not in index:
-                    index[name] = len(index)
-                    counted.append(c)
-                elif counted[index[name]] != c:
-                    raise ValueError(f"parameter {name!r} is both counted and not on one rank")
-                spans.append((lo, hi, index[name]))
-            self._parts.append(SpanSegments(base, spans))
+            for base, pieces in target_segments(t, names):
+                spans = []
+                for lo, hi, name, c in pieces:
+                    if name not in index:
+                        index[name] = len(index)
+                        counted.append(c)
+                    elif counted[index[name]] != c:
+                        raise ValueError(f"parameter {name!r} is both counted and not on one rank")
+                    spans.append((lo, hi, index[name]))
+                self._parts.append(SpanSegments(base, spans))
         super().__init__(tuple(index), counted, device, options)
 
     def add_stats(self, out: torch.Tensor, nan: torch.Tensor, p: float) -> None:

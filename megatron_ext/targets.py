@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from buffers.spans import Span, to_local
+from buffers.spans import Span, intersect_spans, subtract_spans, to_local
 
 from .layout import BufferLayout
 from .spans import GradRecord, RankSpans, rank_spans
@@ -30,6 +30,14 @@ class BufferTarget:
     mirror: torch.Tensor | None = None  # fp32 copy of this rank's shard, when one is needed
     buffer: object = None  # the megatron-core buffer itself
     norm_reads_mirror: bool = False  # norm_views are views of ``mirror``, not the buffer
+    # The fp32 local-accumulation island, when the optimizer reads its parameters' gradients
+    # there (no mirror): megatron-core unscales those in place, not their buffer slices.
+    island: torch.Tensor | None = None
+    # (record start, owned piece in buffer coordinates, the same piece in island coordinates)
+    # of every island parameter this rank owns, when ``island`` is set.
+    island_pieces: tuple[tuple[int, Span, Span], ...] = ()
+    island_norm_views: list[torch.Tensor] = field(default_factory=list)  # counted pieces
+    island_scale_views: list[torch.Tensor] = field(default_factory=list)  # the whole island
 
 
 @dataclass
@@ -43,11 +51,13 @@ class FlatOptimizerState:
 
     @property
     def norm_groups(self) -> list[list[torch.Tensor]]:
-        return [t.norm_views for t in self.targets]
+        """Per buffer its views, then its island's when the norm reads one (one group per
+        storage, so each is one fused launch)."""
+        return [g for t in self.targets for g in (t.norm_views, t.island_norm_views) if g]
 
     @property
     def scale_groups(self) -> list[list[torch.Tensor]]:
-        return [t.scale_views for t in self.targets]
+        return [g for t in self.targets for g in (t.scale_views, t.island_scale_views) if g]
 
     @property
     def padding(self) -> int:
@@ -78,8 +88,10 @@ def buffer_target(
         sharded: the distributed optimizer owns only this rank's shard of each bucket.
         needs_mirror: the optimizer reads fp32 copies of these (lower-precision) gradients;
             they get one flat fp32 mirror of the owned ranges, filled by one copy per range.
-        island: the buffer's fp32 local-accumulation island, if any (scaled too, since an
-            optimizer may read those gradients from it).
+        island: the buffer's fp32 local-accumulation island, if any: scaled too, and without
+            a mirror what the norm reads for its parameters. megatron-core's optimizer then
+            reads (and unscales in place) their fp32 ``main_grad`` in the island, not their
+            slices of the gradient buffer, which keep the loss-scaled values.
         norm_reads_mirror: the norm reads the mirror instead of the gradient buffer. With a
             loss scaler megatron-core unscales only the copies the optimizer reads (the
             mirror), so the buffer still holds the scaled gradients.
@@ -92,6 +104,8 @@ def buffer_target(
     target = BufferTarget(
         layout.key.describe(), tuple(records), spans, _views(grad, spans.norm), [], buffer=buf
     )
+    if island is not None and not needs_mirror:
+        _read_island(target, buf, island)
     if norm_reads_mirror and not needs_mirror:
         raise ValueError("norm_reads_mirror needs a mirror (needs_mirror=True)")
     if needs_mirror:
@@ -110,8 +124,46 @@ def buffer_target(
     else:
         target.scale_views = _views(grad, spans.owned)
     if island is not None:
-        target.scale_views = [*target.scale_views, island]
+        target.island_scale_views = [island]
     return target
+
+
+def island_offsets(buf, island: torch.Tensor) -> dict[int, int]:
+    """``{buffer start: island offset}`` of every parameter whose ``main_grad`` is in
+    ``island`` (:meth:`megatron_ext.DistributedDataParallel._carve_fp32_island`)."""
+    out = {}
+    for b in buf.buckets:
+        for p in b.params_with_extra_main_grads:
+            g = p.main_grad
+            if g.untyped_storage().data_ptr() != island.untyped_storage().data_ptr():
+                raise RuntimeError(
+                    "a parameter's fp32 main_grad is not in its buffer's fp32 island; was "
+                    "main_grad replaced after megatron_ext.DistributedDataParallel was built?"
+                )
+            out[buf.param_index_map[p][0]] = g.storage_offset() - island.storage_offset()
+    return out
+
+
+def _read_island(target: BufferTarget, buf, island: torch.Tensor) -> None:
+    """Make the norm read the island's parameters in the island, not in the buffer."""
+    offsets = island_offsets(buf, island)
+    pieces, counted, holes = [], [], []
+    for r in target.records:
+        if r.start not in offsets:
+            continue
+        holes.append(r.span)
+        for s in intersect_spans([r.span], target.spans.owned):
+            at = offsets[r.start] + s.start - r.start
+            piece = (r.start, s, Span(at, at + s.numel))
+            pieces.append(piece)
+            if r.excluded_because is None:
+                counted.append(piece[2])
+    target.island = island
+    target.island_pieces = tuple(pieces)
+    target.island_norm_views = _views(island, counted)
+    # The buffer's norm spans less these parameters (their padding stays, and still counts
+    # as padding: count_zeros subtracts it).
+    target.norm_views = _views(buf.grad_data, subtract_spans(target.spans.norm, holes))
 
 
 def mirror_view(target: BufferTarget, start: int, end: int) -> torch.Tensor:

@@ -82,10 +82,11 @@ def test_mirror_holds_this_ranks_shard_in_fp32_and_views_find_params():
 def test_unsharded_target_scales_the_whole_buffer_and_the_island():
     buf, records = fake_buffer(0, 1, dtype=torch.float32)
     island = torch.ones(64)
+    buf.buckets = []  # no parameter accumulates in the island: nothing read from it
     t = buffer_target(
         buf, layout_for(buf, records), records, sharded=False, needs_mirror=False, island=island
     )
     assert t.spans.owned == (Span(0, buf.numel),)
     assert t.mirror is None and t.copies == []
-    assert t.scale_views[-1] is island
-    assert sum(v.numel() for v in t.scale_views[:-1]) == buf.numel
+    assert t.island_scale_views == [island] and t.island_norm_views == []
+    assert sum(v.numel() for v in t.scale_views) == buf.numel
