@@ -11,7 +11,7 @@ from buffers import graphs, ops
 from buffers.graphs import NormClip
 from buffers.options import DEFAULT, BufferOptions
 
-from . import offload, seam
+from . import offload, refusals, seam
 from .ddp import counted_records
 from .layout import BufferLayout
 from .options import MegatronOptions
@@ -110,6 +110,7 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
         ):
             align_group_order(child)
         _check_supported(child)
+        refusals.check(child, placed)
         child._flat = _build_state(child, placed, options)
         child.__class__ = _flat_class(type(child))
         if options.host_mirrors:
