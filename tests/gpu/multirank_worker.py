@@ -100,6 +100,32 @@ CONFIGS = {
     "ep2_etp2": dict(world=4, tp=2, ep=2, etp=2),
     "pp2_dp2": dict(world=4, pp=2),
 }
+# The guarantees matrix at two ranks (README "Guarantees"): fp32 local accumulation of some
+# parameters (a pattern) or all, with each dtype and loss scaler, for every optimizer kind.
+# bf16 + precision-aware + a loss scale is refused at construction (tests/test_refusals.py,
+# tests/gpu/test_guarantees_gpu.py) unless every bf16 gradient is read in fp32 ('all').
+_OPTIMIZER_KINDS = {
+    "distopt": {},
+    "float16": dict(distopt=False),
+    "pa_offload1.0": dict(pa=True, offload=1.0),
+    "pa_offload0.5": dict(pa=True, offload=0.5, buckets=True),
+}
+_SCALERS = {
+    "bf16": {},
+    "bf16_static": dict(scale=1024.0),
+    "fp16_static": dict(fp16=True, scale=1024.0),
+    "fp16_dynamic": dict(scale="dynamic"),
+}
+for _o, _ocfg in _OPTIMIZER_KINDS.items():
+    for _p, _pat in {"row": ("*row*",), "all": ("all",)}.items():
+        for _s, _scfg in _SCALERS.items():
+            if _ocfg.get("pa") and _s == "bf16_static" and _p != "all":
+                continue
+            CONFIGS[f"dp2_{_o}_fp32acc_{_p}_{_s}"] = dict(world=2, patterns=_pat, **_ocfg, **_scfg)
+
+
+def is_fp16(cfg) -> bool:
+    return cfg.get("scale") == "dynamic" or bool(cfg.get("fp16"))
 
 
 def seeded(*key) -> torch.Generator:
@@ -131,11 +157,7 @@ def specs_for(cfg, ranks) -> list[Spec]:
     second stage holds only fp32 parameters and the first none.
     """
     tp, etp = cfg.get("tp", 1), cfg.get("etp", 1)
-    low = (
-        torch.float32
-        if cfg.get("fp32")
-        else (torch.float16 if cfg.get("scale") == "dynamic" else torch.bfloat16)
-    )
+    low = torch.float32 if cfg.get("fp32") else (torch.float16 if is_fp16(cfg) else torch.bfloat16)
     if cfg.get("pp", 1) > 1 and ranks["pp"] == 1:
         return [
             Spec("final_norm.weight", (H,), torch.float32),
@@ -231,7 +253,7 @@ def build(cfg, option, ranks, offload_override=None):
 
     import megatron_ext
 
-    fp16 = cfg.get("scale") == "dynamic"
+    fp16 = is_fp16(cfg)
     fp32 = cfg.get("fp32", False)
     low = torch.float32 if fp32 else (torch.float16 if fp16 else torch.bfloat16)
     chunk = Chunk(specs_for(cfg, ranks), ranks, mark=option)
@@ -267,6 +289,7 @@ def build(cfg, option, ranks, offload_override=None):
         ddp=dict(
             overlap_grad_reduce=cfg.get("buckets", False),
             bucket_size=20_000 if cfg.get("buckets") else None,
+            param_name_patterns_for_fp32_local_accumulation=cfg.get("patterns", ()),
         ),
         optimizer=opts,
     )
