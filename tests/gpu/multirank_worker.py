@@ -374,10 +374,11 @@ def run_steps(cfg, model, opt, ranks, *, option, inf_at=None):
         opt.zero_grad()
         scale = float(opt.get_loss_scale())
         tg = targets(model.module, ranks, step)
+        if step == inf_at and ranks["world"] == 0:  # an inf gradient, from the backward
+            first = model.module.named_specs()[0][0].name
+            tg[first].view(-1)[3] = float("inf")
         loss = sum((p.float() * tg[s.name]).sum() for s, p in model.module.named_specs())
         (loss * scale).backward()
-        if step == inf_at and ranks["world"] == 0:
-            next(iter(model.module.parameters())).main_grad.view(-1)[3] = float("inf")
         model.finish_grad_sync()
         ref, ref_names = (None, None)
         if step != inf_at:
