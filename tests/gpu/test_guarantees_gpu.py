@@ -89,7 +89,19 @@ def refusal(scaler, opt_kind, pattern):
     return None
 
 
-def build(scaler, opt_kind, pattern, seed=0):
+class Plain(torch.nn.Module):
+    """Low-precision layers only (stock megatron-core cannot offload natively fp32 ones)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(HIDDEN, 4 * HIDDEN, dtype=dtype, device="cuda")
+        self.fc2 = torch.nn.Linear(4 * HIDDEN, HIDDEN, dtype=dtype, device="cuda")
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x.to(self.fc1.weight.dtype)))).float()
+
+
+def build(scaler, opt_kind, pattern, seed=0, *, option=True, module_cls=None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_ext
@@ -97,7 +109,7 @@ def build(scaler, opt_kind, pattern, seed=0):
     dtype_name, kind = scaler.split("-")
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float16
     torch.manual_seed(seed)
-    module = Mixed(dtype)
+    module = (module_cls or Mixed)(dtype)
     tcfg = TransformerConfig(
         num_layers=1,
         hidden_size=HIDDEN,
@@ -123,6 +135,7 @@ def build(scaler, opt_kind, pattern, seed=0):
     stack = megatron_ext.build_stack(
         module,
         tcfg,
+        per_dtype_grad_buffers=option,
         distributed_optimizer=distributed,
         ddp=dict(param_name_patterns_for_fp32_local_accumulation=PATTERNS[pattern]),
         optimizer=opts,
@@ -165,12 +178,12 @@ def record_stepped_grads(opt) -> list[float]:
 @pytest.mark.parametrize("opt_kind", list(OPTIMIZERS))
 @pytest.mark.parametrize("scaler", SCALERS)
 def test_cell(scaler, opt_kind, pattern):
-    from megatron_ext.refusals import UnsupportedCombinationError
-
     if opt_kind == "pa_te_fused_adam" and not HAVE_TE:
         pytest.skip("needs transformer-engine (megatron-core's precision-aware FusedAdam)")
     refused = refusal(scaler, opt_kind, pattern)
     if refused is not None:
+        from megatron_ext.refusals import UnsupportedCombinationError
+
         with pytest.raises(UnsupportedCombinationError, match=refused):
             build(scaler, opt_kind, pattern)
         return
@@ -222,3 +235,34 @@ def test_cell(scaler, opt_kind, pattern):
             for n, t in truth.items():
                 want = t.square().sum().sqrt().item()
                 assert abs(pn[n] - want) <= 1e-6 * want, (n, pn[n], want)
+
+
+STOCK_FAILURES = [
+    # megatron-core unscales bf16 decoupled gradients with a kernel torch lacks for bf16
+    ("bf16-static", "pa_offload_1.0", "no_pattern"),
+    ("bf16-static", "pa_offload_0.5", "fc2"),
+    # transformer-engine's FusedAdam gets fp32 and bf16 gradients in one launch
+    ("bf16-none", "pa_te_fused_adam", "fc2"),
+    ("fp16-static", "pa_te_fused_adam", "all"),
+]
+
+
+@pytest.mark.parametrize("cell", STOCK_FAILURES, ids="/".join)
+def test_what_is_refused_fails_in_stock_at_the_first_step(cell):
+    """Each refusal stands for a stock failure: stock megatron-core (option off) builds the
+    same cell and fails at the first step (a model without natively fp32 parameters, which
+    stock cannot offload at all)."""
+    scaler, opt_kind, pattern = cell
+    if opt_kind == "pa_te_fused_adam" and not HAVE_TE:
+        pytest.skip("needs transformer-engine (megatron-core's precision-aware FusedAdam)")
+    assert refusal(scaler, opt_kind, pattern) is not None
+    model, opt = build(scaler, opt_kind, pattern, option=False, module_cls=Plain)
+    x = torch.randn(32, HIDDEN, device="cuda")
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    (model(x).square().mean() * float(opt.get_loss_scale())).backward()
+    model.finish_grad_sync()
+    with pytest.raises(Exception) as e:  # noqa: PT011 - whichever error stock raises
+        opt.step()
+        torch.cuda.synchronize()
+    print(cell, type(e.value).__name__, str(e.value)[:300])
