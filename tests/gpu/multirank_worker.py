@@ -31,6 +31,7 @@ every check passed) and the numbers behind them.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -116,11 +117,17 @@ _SCALERS = {
     "fp16_static": dict(fp16=True, scale=1024.0),
     "fp16_dynamic": dict(scale="dynamic"),
 }
+if importlib.util.find_spec("transformer_engine") is not None:
+    # precision-aware on the GPU: megatron-core's FusedAdam from transformer-engine (without
+    # TE it has no precision-aware optimizer); fp32 local accumulation is refused with it
+    _OPTIMIZER_KINDS["pa_te"] = dict(pa=True)
 for _o, _ocfg in _OPTIMIZER_KINDS.items():
-    for _p, _pat in {"row": ("*row*",), "all": ("all",)}.items():
+    for _p, _pat in {"none": (), "row": ("*row*",), "all": ("all",)}.items():
         for _s, _scfg in _SCALERS.items():
             if _ocfg.get("pa") and _s == "bf16_static" and _p != "all":
-                continue
+                continue  # refused: precision-aware + a loss scale + bf16 gradients
+            if _o == "pa_te" and _p != "none":
+                continue  # refused: TE's FusedAdam + fp32 local accumulation
             CONFIGS[f"dp2_{_o}_fp32acc_{_p}_{_s}"] = dict(world=2, patterns=_pat, **_ocfg, **_scfg)
 
 

@@ -32,7 +32,7 @@ def results_for(world: int, tmp_root: Path) -> dict:
     if world not in _RUNS:
         out = tmp_root / f"world{world}"
         out.mkdir(parents=True, exist_ok=True)
-        names = [n for n, c in CONFIGS.items() if c["world"] == world]
+        names = [n for n, c in CONFIGS.items() if c["world"] == world and selected(n)]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(SUPPORT), str(HERE.parent.parent), env.get("PYTHONPATH", "")]
@@ -56,8 +56,15 @@ def results_for(world: int, tmp_root: Path) -> dict:
     return _RUNS[world]
 
 
+def selected(name: str) -> bool:
+    """MULTIRANK_ONLY (a substring of configuration names) runs only those."""
+    return os.environ.get("MULTIRANK_ONLY", "") in name
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_configuration_at_several_ranks(name, tmp_path_factory):
+    if not selected(name):
+        pytest.skip("not selected by MULTIRANK_ONLY")
     world = CONFIGS[name]["world"]
     run = results_for(world, tmp_path_factory.getbasetemp())
     failures = {}
