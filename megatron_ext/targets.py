@@ -135,6 +135,8 @@ def island_offsets(buf, island: torch.Tensor) -> dict[int, int]:
     for b in buf.buckets:
         for p in b.params_with_extra_main_grads:
             g = p.main_grad
+            if g.numel() == 0:  # shares its start with the next parameter: nothing to read
+                continue
             if g.untyped_storage().data_ptr() != island.untyped_storage().data_ptr():
                 raise RuntimeError(
                     "a parameter's fp32 main_grad is not in its buffer's fp32 island; was "

@@ -278,3 +278,23 @@ def test_island_offsets_must_be_in_the_island():
 
 
 _ = DistributedOptimizer  # the stand-in's class (imported for its range functions)
+
+
+def test_a_zero_size_island_parameter_does_not_claim_its_neighbour():
+    # megatron-core lays a zero-size parameter out at its neighbour's start; if only the
+    # zero-size one matches the pattern, the neighbour is still read in the buffer
+    buf = types.SimpleNamespace(
+        grad_data=torch.randn(256),
+        numel=256,
+        param_index_map={},
+        extra_main_grads=[],
+        buckets=[types.SimpleNamespace(params_with_extra_main_grads=[])],
+    )
+    empty, full = torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(100))
+    buf.param_index_map = {empty: (64, 64, 0), full: (64, 164, 0)}
+    empty.main_grad = torch.zeros(0)
+    buf.buckets[0].params_with_extra_main_grads = [empty]
+    island = DistributedDataParallel._carve_fp32_island(None, buf)
+    from megatron_ext.targets import island_offsets
+
+    assert island_offsets(buf, island) == {}
