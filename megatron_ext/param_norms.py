@@ -14,7 +14,8 @@ Parameters are matched across ranks by name, so names here are global:
 
 A parameter split across tensor-parallel or data-parallel ranks gets the norm of the whole
 parameter (its pieces' sums add up); a tensor-parallel duplicate is reported from its
-counted copy (rank 0), as the total counts it.
+counted copy (rank 0), as the total counts it, and so is a ``shared`` one, which the total
+does not count: its copies on other ranks are replicas, not pieces.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from buffers.param_norms import ParamNorms, ParamStats
 from buffers.segments import SpanSegments
 from buffers.spans import Span, intersect_spans, to_local
 
+from .spans import SHARED
 from .targets import BufferTarget
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
@@ -94,10 +96,15 @@ def target_segments(
     """
     buf = target.buffer
     verdicts = {(r.start, r.end): r.excluded_because is None for r in target.records}
+    # Another rank's copy is reported (SHARED is the one verdict that is not about copies).
+    replicas = {
+        (r.start, r.end) for r in target.records if r.excluded_because not in (None, SHARED)
+    }
     base = target.mirror if target.norm_reads_mirror else buf.grad_data
     pieces = []
     for p, (start, end, _) in buf.param_index_map.items():
-        owned = intersect_spans([Span(start, end)], target.spans.owned) if end > start else ()
+        mine = end > start and (start, end) not in replicas
+        owned = intersect_spans([Span(start, end)], target.spans.owned) if mine else ()
         if target.norm_reads_mirror:
             owned = to_local(owned, target.spans.owned)
         name = names.get(id(p), f"<unnamed {start}>")
