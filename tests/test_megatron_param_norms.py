@@ -64,8 +64,17 @@ def reduce_ranks(monkeypatch, per_rank):
     return unions[0], summed.sqrt()
 
 
-def build_rank(dp, rank, *, tp_rank=0, tp=None, scaled=False, scale=1.0, seed=1):
+def split_over_tp(bufs, placed, split):
+    """Mark the parameters named in ``split`` as split across tensor-parallel ranks."""
+    for buf in bufs:
+        for p in buf.param_index_map:
+            if names_of(bufs, placed)[id(p)] in split:
+                p.tensor_model_parallel = True
+
+
+def build_rank(dp, rank, *, tp_rank=0, tp=None, scaled=False, scale=1.0, seed=1, split=()):
     child, bufs, placed, _ = child_for_rank(dp, rank, scaled=scaled, seed=seed)
+    split_over_tp(bufs, placed, split)
     child.tp_group = FakeGroup(tp_rank, tp or (2 if tp_rank else 1))
     state = _build_state(child, placed)
     for dst, src in (c for t in state.targets for c in t.copies):
@@ -246,16 +255,19 @@ def megatron_local_norm_sq(grads):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_shared_tensor_parallel_replicas_against_megatron_cores_own_filter(monkeypatch, tp):
-    # TP x DP = tp x 2 ranks, each a tensor-parallel replica of the same parameters (none is
-    # split across TP ranks); bf16.2 is `shared`. Fresh random gradients (seed per tp).
+@pytest.mark.parametrize("split", [(), ("bf16.2",)], ids=["replicated", "shared-split"])
+def test_shared_parameters_against_megatron_cores_own_filter(monkeypatch, tp, split):
+    # TP x DP = tp x 2 ranks holding the same parameters, none split across TP ranks but
+    # those in `split` (a vocab-parallel tied output weight is shared and split: its TP
+    # pieces add up). bf16.2 is `shared`. Fresh random gradients (a seed per tp).
     dp = 2
     grid = [(t, d) for t in range(tp) for d in range(dp)]
     ours, oracle_total_sq, oracle = [], 0.0, {}
     for t, d in grid:
-        ours.append(build_rank(dp, d, tp_rank=t, tp=tp, seed=100 + tp)[0])
+        ours.append(build_rank(dp, d, tp_rank=t, tp=tp, seed=100 + tp, split=split)[0])
         # the oracle's own build of the same rank: same gradients, its own tensors
         child, bufs, placed, held = child_for_rank(dp, d, seed=100 + tp)
+        split_over_tp(bufs, placed, split)
         child.tp_group = FakeGroup(t, tp)
         mains = megatron_main_params(child, held)
         grads = megatron_grads_for_norm(child, mains)
@@ -276,7 +288,8 @@ def test_shared_tensor_parallel_replicas_against_megatron_cores_own_filter(monke
     sq = sum(norms[i].item() ** 2 for i, n in enumerate(union.names) if counted[n])
     assert math.isclose(sq, oracle_total_sq, rel_tol=1e-6)
     # 3. every parameter's norm is its gradient's norm, the shared one included: each
-    #    tensor-parallel replica is the same gradient, counted once (not sqrt(tp) times)
+    #    tensor-parallel replica is the same gradient, counted once (not sqrt(tp) times);
+    #    pieces of a split one add up (the fake gives every TP piece the same values)
     for i, name in enumerate(union.names):
         assert math.isclose(norms[i].item(), math.sqrt(oracle[name]), rel_tol=1e-6), (
             name,
