@@ -29,8 +29,9 @@ from buffers import ops
 from buffers.options import DEFAULT, BufferOptions
 from buffers.param_norms import ParamNorms, ParamStats
 from buffers.segments import SpanSegments
-from buffers.spans import Span, intersect_spans, to_local
+from buffers.spans import intersect_spans, to_local
 
+from .layout import record_params
 from .spans import SHARED
 from .targets import BufferTarget
 
@@ -95,20 +96,16 @@ def target_segments(
     owns, in that tensor's coordinates (uncounted parameters too: they are reported).
     """
     buf = target.buffer
-    verdicts = {(r.start, r.end): r.excluded_because is None for r in target.records}
-    # Another rank's copy is reported (SHARED is the one verdict that is not about copies).
-    replicas = {
-        (r.start, r.end) for r in target.records if r.excluded_because not in (None, SHARED)
-    }
     base = target.mirror if target.norm_reads_mirror else buf.grad_data
     pieces = []
-    for p, (start, end, _) in buf.param_index_map.items():
-        mine = end > start and (start, end) not in replicas
-        owned = intersect_spans([Span(start, end)], target.spans.owned) if mine else ()
+    for r, p in zip(target.records, record_params(buf, target.records), strict=True):
+        start, end, counted = r.start, r.end, r.excluded_because is None
+        # Another rank's copy is reported (SHARED is the one verdict that is not about copies).
+        replica = r.excluded_because not in (None, SHARED)
+        owned = intersect_spans([r.span], target.spans.owned) if end > start and not replica else ()
         if target.norm_reads_mirror:
             owned = to_local(owned, target.spans.owned)
         name = names.get(id(p), f"<unnamed {start}>")
-        counted = verdicts.get((start, end), True)
         if not owned:  # still reported (zero here), so every rank lists the same names
             pieces.append((0, 0, name, counted))
         pieces.extend((s.start, s.end, name, counted) for s in owned)

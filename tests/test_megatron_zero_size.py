@@ -194,3 +194,18 @@ def test_norms_and_per_parameter_norms_with_zero_size_parameters(monkeypatch, dp
         assert math.isclose(norms[i].item(), want, rel_tol=1e-6), name
         if whole[name].numel() == 0:
             assert norms[i].item() == 0.0, name
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_the_norm_audit_keys_each_parameter_by_its_own_flags(tp_rank):
+    from megatron_ext import norm_audit
+
+    _, state, buf, names = build_rank(2, 0, tp_rank, 2, seed=7)
+    by_name = {n: p for p, n in names.items()}
+    (target,) = state.targets
+    claims = norm_audit._target_claims(0, buf, target, norm_audit.ParallelRanks(tp=tp_rank))
+    assert sorted(c.key.name for c in claims) == sorted(names.values())
+    for c in claims:
+        split = getattr(by_name[c.key.name], "tensor_model_parallel", False)
+        assert c.key.tp_piece == (tp_rank if split else None), c.key.name
+        assert c.numel == by_name[c.key.name].numel(), c.key.name
