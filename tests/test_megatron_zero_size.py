@@ -209,3 +209,13 @@ def test_the_norm_audit_keys_each_parameter_by_its_own_flags(tp_rank):
         split = getattr(by_name[c.key.name], "tensor_model_parallel", False)
         assert c.key.tp_piece == (tp_rank if split else None), c.key.name
         assert c.numel == by_name[c.key.name].numel(), c.key.name
+
+
+def test_records_that_are_not_the_buffers_layout_are_refused():
+    params, names = make_params()
+    buf = fake_buffer(params, 1, 0, seed=5)
+    records = buffer_layout(buf, names).records
+    group = FakeGroup(0, 1)
+    for wrong in (records[:-1], (records[1], records[0], *records[2:]), records[::-1]):
+        with pytest.raises(ValueError, match="not the layout of this buffer"):
+            counted_records(buf, wrong, group, group)

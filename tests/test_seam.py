@@ -709,3 +709,18 @@ def test_every_call_site_passes_what_its_entry_records():
     assert not wrong, "\n".join(wrong)
     called = {e.name for e in seam.ENTRIES if e.how == "call" and e.params is not None}
     assert called <= found, f"call entries with no call site found: {called - found}"
+
+
+def test_a_parameter_our_wrapper_reads_by_name_is_checked_though_it_forwards(monkeypatch):
+    # train_step(..., *rest, **kwargs) forwards everything but reads kwargs["iteration"]
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                   config, forward_backward_func, iteration=None, pg_collection=None):  # fmt: skip
+        return None
+
+    def renamed(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                config, forward_backward_func, step=None):  # fmt: skip
+        return None
+
+    check_against(monkeypatch, "training step", train_step=train_step)
+    refused(monkeypatch, "training step", r"no longer takes optional positional 'iteration'",
+            train_step=renamed)  # fmt: skip
