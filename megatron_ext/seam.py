@@ -29,12 +29,10 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
-# The megatron-core versions this library was tested on (the README's Versions section and
-# pyproject.toml say the same): from the first through the last, inclusive of their
-# patch releases and local builds (Megatron-LM main reports the next version's number).
-# The first and last megatron-core versions tested, both inclusive (pyproject.toml pins the
-# same): 0.18.2, 0.19.0 and 0.19.2 from PyPI, and Megatron-LM main at the commit in
-# scripts/mcore_main.sha, which reports 0.20.0. Local build suffixes (+sha) are ignored.
+# The first and last megatron-core versions tested, both inclusive, read as pyproject.toml's
+# ">=0.18.2,<=0.20.0" pins read (:func:`supports`): 0.18.2, 0.19.0 and 0.19.2 from PyPI,
+# and Megatron-LM main at the commit in scripts/mcore_main.sha, which reports 0.20.0 (or a
+# pre-release of it). Local build suffixes (+sha) are ignored.
 SUPPORTED = ((0, 18, 2), (0, 20, 0))
 
 
@@ -469,7 +467,7 @@ def _kind_of(owner, raw) -> str:
         return "class"
     if callable(raw):
         return "method" if isinstance(owner, type) else "function"
-    return f"a {type(raw).__name__} value"
+    return f"{type(raw).__name__} value"
 
 
 def _spec(tokens: tuple[str, ...]) -> list[inspect.Parameter]:

@@ -177,6 +177,8 @@ def test_the_table_describes_every_entry():
         assert e.how in {"subclass", "override", "class swap", "wrap", "replace", "re-point",
                          "read", "call"}, e.name  # fmt: skip
         assert e.change and e.why, e.name
+        assert e.kind is None or e.kind in seam._KINDS, e.name
+        assert e.how in seam.SIGNATURES or e.params is None, e.name
 
 
 # -- every entry checked against a fake megatron-core whose signature changed ---------------
