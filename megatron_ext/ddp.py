@@ -9,7 +9,7 @@ import torch
 
 from . import seam
 from .fp32 import cast_marked_to_fp32
-from .layout import BufferKey, BufferLayout, ChunkLayout, buffer_layout
+from .layout import BufferKey, BufferLayout, ChunkLayout, buffer_layout, record_params
 from .spans import GradRecord, exclusion_reason
 
 _MCoreDDP = seam.target("DistributedDataParallel")
@@ -109,15 +109,9 @@ class DistributedDataParallel(_MCoreDDP):
 
 def counted_records(buf, records, tp_group=None, expert_tp_group=None) -> tuple[GradRecord, ...]:
     """``records`` of ``buf`` with each one's exclusion verdict for these process groups."""
-    by_start = {start: p for p, (start, _end, _bucket) in buf.param_index_map.items()}
     return tuple(
-        replace(
-            r,
-            excluded_because=exclusion_reason(
-                **param_flags(by_start[r.start], tp_group, expert_tp_group)
-            ),
-        )
-        for r in records
+        replace(r, excluded_because=exclusion_reason(**param_flags(p, tp_group, expert_tp_group)))
+        for r, p in zip(records, record_params(buf, records), strict=True)
     )
 
 

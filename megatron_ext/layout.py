@@ -10,7 +10,7 @@ here say where each gradient sits, and each optimizer decides what counts
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,3 +111,25 @@ def buffer_layout(buf, names: Mapping, island_numel: int = 0) -> BufferLayout:
         dp_rank=group.rank(),
         island_numel=island_numel,
     )
+
+
+def record_params(buf, records: Sequence[GradRecord]) -> list:
+    """The parameter of each of ``records``, in order: ``buf``'s layout records
+    (:func:`buffer_layout`, or the same records with verdicts).
+
+    A start alone does not name a parameter: megatron-core lays a zero-size parameter out
+    at the start of the next one. Records list the buffer's parameters in start order (a
+    stable sort of ``param_index_map``), so they pair with the parameters by position;
+    every pair is checked against its span.
+
+    Raises:
+        ValueError: ``records`` are not ``buf``'s layout.
+    """
+    params = sorted(buf.param_index_map.items(), key=lambda item: item[1][0])
+    spans = [(start, end) for _, (start, end, _) in params]
+    if spans != [(r.start, r.end) for r in records]:
+        raise ValueError(
+            f"these {len(records)} gradient records are not the layout of this buffer of "
+            f"{len(spans)} parameters; pass buffer_layout(buf, ...).records"
+        )
+    return [param for param, _ in params]

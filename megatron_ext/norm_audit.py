@@ -34,6 +34,7 @@ import torch
 from buffers.spans import Span
 
 from . import seam
+from .layout import record_params
 from .spans import SHARED, GradRecord
 from .targets import BufferTarget
 
@@ -381,21 +382,16 @@ def _placed_targets(model_chunks, children) -> list[tuple[int, int, object, Buff
     return out
 
 
-def _params_by_start(buf) -> dict[int, object]:
-    return {start: p for p, (start, _end, _bucket) in buf.param_index_map.items()}
-
-
 def _target_claims(chunk: int, buf, target: BufferTarget, ranks: ParallelRanks):
-    params = _params_by_start(buf)
     keys = [
         piece_key(
             r.name,
             chunk=chunk,
-            tensor_model_parallel=bool(getattr(params[r.start], "tensor_model_parallel", False)),
-            is_expert=not getattr(params[r.start], "allreduce", True),
+            tensor_model_parallel=bool(getattr(p, "tensor_model_parallel", False)),
+            is_expert=not getattr(p, "allreduce", True),
             ranks=ranks,
         )
-        for r in target.records
+        for r, p in zip(target.records, record_params(buf, target.records), strict=True)
     ]
     return buffer_claims(target.records, target.spans.norm, keys)
 
@@ -427,16 +423,16 @@ def explain_norm(model_chunks, optimizer) -> str:
             "",
             f"{target.name}: optimizer {i} ({type(children[i]).__name__}), model chunk "
             f"{chunk}; this rank owns {sum(s.numel for s in owned)} of {buf.numel} elements",
-            *_buffer_table(target, _params_by_start(buf)),
+            *_buffer_table(target, record_params(buf, target.records)),
         ]
     return "\n".join(lines)
 
 
-def _buffer_table(target: BufferTarget, params: dict[int, object]) -> list[str]:
+def _buffer_table(target: BufferTarget, params: Sequence[torch.Tensor]) -> list[str]:
     rows = []
     totals: dict[str, int] = {}
     numel_sum = counted_sum = 0
-    for rec in target.records:
+    for rec, param in zip(target.records, params, strict=True):
         numel = rec.end - rec.start
         counted = local_spans(rec, target.spans.norm)
         n_counted = sum(s.numel for s in counted)
@@ -458,7 +454,7 @@ def _buffer_table(target: BufferTarget, params: dict[int, object]) -> list[str]:
         rows.append(
             (
                 rec.name,
-                str(tuple(params[rec.start].shape)),
+                str(tuple(param.shape)),
                 str(numel),
                 _spans_text([Span(rec.start, rec.end)]),
                 str(n_counted),

@@ -14,7 +14,8 @@ Parameters are matched across ranks by name, so names here are global:
 
 A parameter split across tensor-parallel or data-parallel ranks gets the norm of the whole
 parameter (its pieces' sums add up); a tensor-parallel duplicate is reported from its
-counted copy (rank 0), as the total counts it.
+counted copy (rank 0), as the total counts it, and so is a ``shared`` one, which the total
+does not count: its copies on other ranks are replicas, not pieces.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from buffers.param_norms import ParamNorms, ParamStats
 from buffers.segments import SpanSegments
 from buffers.spans import Span, intersect_spans, to_local
 
+from .layout import record_params
+from .spans import SHARED
 from .targets import BufferTarget
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
@@ -94,19 +97,20 @@ def target_segments(
     owns, in that tensor's coordinates (uncounted parameters too: they are reported).
     """
     buf = target.buffer
-    verdicts = {(r.start, r.end): r.excluded_because is None for r in target.records}
     base = target.mirror if target.norm_reads_mirror else buf.grad_data
     in_island: dict[int, list[Span]] = {}
     for start, _piece, at in target.island_pieces:
         in_island.setdefault(start, []).append(at)
     pieces, island_pieces = [], []
-    for p, (start, end, _) in buf.param_index_map.items():
+    for r, p in zip(target.records, record_params(buf, target.records), strict=True):
+        start, end, counted = r.start, r.end, r.excluded_because is None
+        # Another rank's copy is reported (SHARED is the one verdict that is not about copies).
+        replica = r.excluded_because not in (None, SHARED)
         name = names.get(id(p), f"<unnamed {start}>")
-        counted = verdicts.get((start, end), True)
-        if start in in_island and end > start:
+        if start in in_island and end > start and not replica:
             island_pieces.extend((s.start, s.end, name, counted) for s in in_island[start])
             continue
-        owned = intersect_spans([Span(start, end)], target.spans.owned) if end > start else ()
+        owned = intersect_spans([r.span], target.spans.owned) if end > start and not replica else ()
         if target.norm_reads_mirror:
             owned = to_local(owned, target.spans.owned)
         if not owned:  # still reported (zero here), so every rank lists the same names

@@ -9,7 +9,9 @@ whole coupling.
 
 :func:`check` runs when ``megatron_ext`` is imported, before anything is touched: the
 installed version must lie in :data:`SUPPORTED`, and every entry that applies to it must
-resolve with the parameters we rely on. A mismatch raises one
+resolve as we use it: the method kind (plain method, classmethod, staticmethod, class),
+the signature (:data:`SIGNATURES` says what is compared) and, where we index or unpack a
+returned tuple, every ``return`` of the target's source. A mismatch raises one
 :class:`MegatronCoreMismatchError` naming the entry and the version, instead of an
 ``AttributeError`` inside a training step. Attributes that exist only on instances (a
 gradient buffer's ``param_index_map``, an optimizer's groups) are checked by
@@ -18,23 +20,42 @@ gradient buffer's ``param_index_map``, an optimizer's groups) are checked by
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import inspect
-import re
+import textwrap
 from dataclasses import dataclass
 
-# The megatron-core versions this library was tested on (the README's Versions section and
-# pyproject.toml say the same): from the first through the last, inclusive of their
-# patch releases and local builds (Megatron-LM main reports the next version's number).
-# The first and last megatron-core versions tested, both inclusive (pyproject.toml pins the
-# same): 0.18.2, 0.19.0 and 0.19.2 from PyPI, and Megatron-LM main at the commit in
-# scripts/mcore_main.sha, which reports 0.20.0. Local build suffixes (+sha) are ignored.
+from packaging.version import InvalidVersion, Version
+
+# The first and last megatron-core versions tested, both inclusive, read as pyproject.toml's
+# ">=0.18.2,<=0.20.0" pins read (:func:`supports`): 0.18.2, 0.19.0 and 0.19.2 from PyPI,
+# and Megatron-LM main at the commit in scripts/mcore_main.sha, which reports 0.20.0 (or a
+# pre-release of it). Local build suffixes (+sha) are ignored.
 SUPPORTED = ((0, 18, 2), (0, 20, 0))
 
 
 class MegatronCoreMismatchError(ImportError):
     """The installed megatron-core lacks, or changed, something ``megatron_ext`` relies on."""
+
+
+# How an entry's ``params`` are compared with its target's signature, by ``how``:
+# - "call" (call, read, re-point): ``params`` is how we call the target, written as a
+#   signature: names before ``*`` are passed positionally in that order, names after it by
+#   keyword, ``name=`` only sometimes (so the target must give it a default), ``*args`` /
+#   ``**kwargs``: we forward our caller's extra arguments. Each argument must bind to the
+#   parameter of that name and kind, and every required parameter must be passed.
+# - "stand-in" (override, replace, wrap, subclass): megatron-core's callers call our code in
+#   the target's place, so ``params`` is the target's signature as our code takes it; it
+#   must match the target's parameter for parameter (name, position, kind, whether
+#   required). ``*args`` / ``**kwargs``: our code forwards the rest, so parameters the target
+#   adds there are passed through. Anything else the target adds, even with a default, is
+#   an argument megatron-core may pass that our code does not take.
+SIGNATURES = {"call": "call", "read": "call", "re-point": "call", "override": "stand-in",
+              "replace": "stand-in", "wrap": "stand-in", "subclass": "stand-in"}  # fmt: skip
+
+_KINDS = ("class", "method", "classmethod", "staticmethod", "function", "property")
 
 
 @dataclass(frozen=True)
@@ -50,11 +71,24 @@ class Entry:
         why: the reason.
         upstream: the upstream issue or pull request, where there is one.
         since: the first megatron-core version it applies to.
-        params: parameter names the target must take, in order (``self``/``cls`` left
-            out); None: not a callable, or not checked.
+        params: the target's parameters as we use them (``self``/``cls`` left out), in
+            signature syntax: ``"name"``, ``"name="`` (has a default), ``"*"`` (keyword
+            arguments follow), ``"*args"``, ``"**kwargs"``; compared as :data:`SIGNATURES`
+            says for ``how``. None: not a callable, or not checked.
+        kind: what the target is in its module or class: one of ``class``, ``method``
+            (a plain function in a class), ``classmethod``, ``staticmethod``, ``function``
+            (in a module), ``property``. None: ``class`` for subclass and class-swap
+            entries, ``method``/``function`` for entries with ``params``, else unchecked.
+        returns: the items of the tuple every ``return`` of the target builds, as written
+            there (we index or unpack that tuple, or return one in its place); checked on
+            the target's source.
         attrs: instance attributes read or re-pointed (checked by :func:`check_instance`).
+        arity: (instance attribute, n): every value of that mapping (or item of that
+            sequence) is a tuple we unpack into n names or index (checked by
+            :func:`check_instance`).
         optional: absent in some supported versions; :func:`optional` returns None there
-            and the feature adapts (the README says what is unavailable).
+            and the feature adapts (the README says what is unavailable). Where it is
+            present it is checked as any other entry.
     """
 
     name: str
@@ -65,7 +99,10 @@ class Entry:
     upstream: str = ""
     since: tuple[int, int] = (0, 18)
     params: tuple[str, ...] | None = None
+    kind: str | None = None
+    returns: tuple[str, ...] | None = None
     attrs: tuple[str, ...] = ()
+    arity: tuple[tuple[str, int], ...] = ()
     optional: bool = False
 
 
@@ -87,13 +124,14 @@ ENTRIES: tuple[Entry, ...] = (
           "subclass", "casts keep_in_fp32 parameters to fp32 before the buffers are built; "
           "records each buffer's layout; carves one fp32 island per buffer",
           "fp32 parameters need their own (fp32) gradient buffer",
-          params=("config", "ddp_config", "module"),
+          params=("config", "ddp_config", "module", "*args", "**kwargs"),
           attrs=("buffers", "expert_parallel_buffers", "module")),
     Entry("buffer layout", f"{_BUF}:_ParamAndGradBuffer", "read",
           "reads where each parameter's gradient sits, the buckets and the shard group",
           "spans are computed once from megatron-core's own layout",
           attrs=("param_index_map", "bucket_indices", "buckets", "grad_data", "param_data",
-                 "numel", "data_parallel_group", "param_dtype", "grad_dtype")),
+                 "numel", "data_parallel_group", "param_dtype", "grad_dtype"),
+          arity=(("param_index_map", 3), ("bucket_indices", 2))),
     Entry("fp32 accumulation island", f"{_BUF}:_ParamAndGradBuffer", "re-point",
           "param.main_grad of fp32-local-accumulation parameters becomes a view of one "
           "fp32 island per buffer; buffer.extra_main_grads becomes [island]",
@@ -107,17 +145,20 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("OptimizerConfig", "megatron.core.optimizer:OptimizerConfig", "call",
           "build_stack builds it from a mapping, use_distributed_optimizer set to agree with "
           "the DDP config", "one argument says whether the distributed optimizer is on",
-          attrs=("use_distributed_optimizer", "bf16", "fp16")),
+          kind="class", attrs=("use_distributed_optimizer", "bf16", "fp16")),
     Entry("get_megatron_optimizer", "megatron.core.optimizer:get_megatron_optimizer", "call",
           "builds the optimizers, then swaps their classes (below)",
           "same signature and return types as megatron-core's",
-          params=("config", "model_chunks")),
+          params=("config", "model_chunks", "*args", "**kwargs")),
     Entry("fp32 shards as leaves",
           f"{_DIST}:DistributedOptimizer._build_model_and_main_param_groups", "wrap",
           "during construction only: natively fp32 parameter shards become detached views",
           "megatron-core 0.19 slices them without detach(); CPU offload then raises "
           "\"can't optimize a non-leaf Tensor\"",
-          params=("gbuf_ranges", "param_gbuf_map", "opt_group_ranges", "config")),
+          params=("gbuf_ranges", "param_gbuf_map", "opt_group_ranges", "config"),
+          kind="classmethod",
+          returns=("model_float16_groups", "model_fp32_groups", "shard_float16_groups",
+                   "shard_fp32_groups", "shard_fp32_from_float16_groups")),
     Entry("DistributedOptimizer", f"{_DIST}:DistributedOptimizer", "class swap",
           "the instance becomes a subclass whose norm, clip, zero count, grad copy and "
           "checkpoint load read flat spans (methods below)",
@@ -125,7 +166,8 @@ ENTRIES: tuple[Entry, ...] = (
           attrs=("buffers", "model_float16_groups", "model_fp32_groups",
                  "shard_fp32_from_float16_groups", "shard_fp32_groups", "shard_float16_groups",
                  "model_param_gbuf_map", "gbuf_ranges", "config", "optimizer",
-                 "init_state_fn")),
+                 "init_state_fn"),
+          arity=(("model_param_gbuf_map", 3),)),
     Entry("param group order", f"{_DIST}:DistributedOptimizer", "re-point",
           "model_param_group_index_map re-numbered in the order of the optimizer's own param "
           "groups (fp32 parameters first, then fp16/bf16), checked against each shard's size",
@@ -195,19 +237,35 @@ ENTRIES: tuple[Entry, ...] = (
           f"{_OPT}:Float16OptimizerWithFloat16Params.sharded_state_dict", "override",
           "walks model parameters in the optimizer's own order",
           "0.19.2 mispairs states when fp32 and bf16 parameters share a group",
-          params=("model_sharded_state_dict", "is_loading")),
+          params=("model_sharded_state_dict", "is_loading=", "metadata=")),
+    Entry("distopt sharded_state_dict", f"{_DIST}:DistributedOptimizer.sharded_state_dict",
+          "override", "creates the state of a never-stepped optimizer before a load "
+          "(distopt without TE or Apex), then megatron-core's",
+          "as distopt without TE or Apex",
+          params=("model_sharded_state_dict=", "is_loading=", "sharding_type=", "metadata=")),
+    Entry("fp32 sharded_state_dict", f"{_OPT}:FP32Optimizer.sharded_state_dict", "override",
+          "megatron-core's (the override is shared with the float16 optimizer's)",
+          "one class of flat methods for every optimizer kind",
+          params=("model_sharded_state_dict", "is_loading=", "metadata=")),
+    Entry("fp32 load_state_dict", f"{_OPT}:FP32Optimizer.load_state_dict", "override",
+          "as load_state_dict", "as load_state_dict", params=("state_dict",)),
+    Entry("common step", f"{_OPT}:MegatronOptimizer._extract_common_per_param_step", "call",
+          "float16 sharded_state_dict saves the one step of every parameter as "
+          "megatron-core's does", "float16 sharded_state_dict", params=("state_dict",),
+          kind="staticmethod"),
     Entry("param id map", f"{_CKPT}:get_param_id_to_sharded_param_map", "call",
           "maps optimizer ids to sharded parameters", "float16 sharded_state_dict",
           params=("model_sharded_state_dict", "optim_params_iter")),
     Entry("sharded optimizer tensor", f"{_CKPT}:make_sharded_optimizer_tensor", "call",
           "wraps a main copy as a sharded tensor", "float16 sharded_state_dict",
-          params=("model_param", "optim_param", "prefix")),
+          params=("model_param", "optim_param", "*", "prefix")),
     Entry("optimizer state sharding", f"{_CKPT}:optim_state_to_sharding_state", "call",
           "turns optimizer state into sharded tensors", "float16 sharded_state_dict",
-          params=("optim_state_dict", "id_to_sharded_param_map", "exclude_keys")),
+          params=("optim_state_dict", "id_to_sharded_param_map", "*", "exclude_keys")),
     Entry("GTP backfill", f"{_OPT}:_backfill_gtp_sharded_param_map", "call",
           "fills GTP-remat entries of the id map", "float16 sharded_state_dict",
-          since=(0, 19), optional=True),
+          since=(0, 19), params=("id_to_sharded_param_map", "float16_groups",
+                                 "model_sharded_state_dict"), optional=True),
     Entry("separate grad-norm groups", f"{_OPT}:SEPARATE_GRAD_NORM_GROUPS", "read",
           "refuses parameters tagged with a separate grad_norm_group",
           "the flat norm does not split by group yet", since=(0, 19), optional=True),
@@ -238,8 +296,11 @@ ENTRIES: tuple[Entry, ...] = (
                  "fp32_param_to_orig_param", "param_to_inner_param", "state",
                  "sub_optimizers")),
     Entry("hdo placement", f"{_HDO}:HybridDeviceOptimizer._get_sub_optimizer_param_groups",
-          "override", "reuses the placement already made", "no second copy of every parameter",
-          params=("offload_fraction",)),
+          "override", "reuses the placement already made (the tuple megatron-core's returns, "
+          "from the attributes its caller unpacks it into)", "no second copy of every parameter",
+          params=("offload_fraction",),
+          returns=("cpu_param_groups", "gpu_param_groups", "gpu_params_map_cpu_copy",
+                   "cpu_copys_map_gpu_param", "param_to_fp32_param")),
     Entry("hdo sub-optimizers", f"{_HDO}:HybridDeviceOptimizer._init_sub_optimizers",
           "override", "builds the host mirrors after megatron-core's sub-optimizers",
           "the mirrors replace the per-parameter copies", params=()),
@@ -250,6 +311,9 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("hdo load", f"{_HDO}:HybridDeviceOptimizer._update_fp32_params_by_new_state",
           "override", "loads natively fp32 parameters too",
           "0.19.2 raises KeyError for them when loading a checkpoint", params=()),
+    Entry("hdo state before load", f"{_HDO}:HybridDeviceOptimizer.dummy_step", "call",
+          "creates a never-stepped offload optimizer's state before a checkpoint load",
+          "as distopt without TE or Apex", params=()),
     Entry("hdo sync after load",
           f"{_HDO}:HybridDeviceOptimizer._sync_hdo_state_to_sub_optimizers", "call",
           "after a distributed-optimizer load: sub-optimizer states and inner parameters "
@@ -264,46 +328,50 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("get_grad_norm_fp32", "megatron.core.optimizer.clip_grads:get_grad_norm_fp32",
           "replace", "a dtype-safe version, in clip_grads and every module that imported it",
           "the fused list kernel reads every tensor with the first tensor's dtype",
-          params=("grads_for_norm", "norm_type", "grad_stats_parallel_group")),
+          params=("grads_for_norm", "norm_type=", "grad_stats_parallel_group=")),
     Entry("clip_grad_by_total_norm_fp32",
           "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32", "replace",
           "as get_grad_norm_fp32", "as get_grad_norm_fp32",
-          params=("parameters", "max_norm", "total_norm", "use_decoupled_grad")),
+          params=("parameters", "max_norm", "total_norm", "use_decoupled_grad=")),
     Entry("dtensor helpers", "megatron.core.utils:to_local_if_dtensor", "call",
           "reads DTensor gradients through their local shards", "as stock does",
           params=("tensor",)),
     Entry("dtensor group", "megatron.core.utils:get_data_parallel_group_if_dtensor", "call",
           "the DTensors' data-parallel group", "as stock reduces over it",
-          params=("tensor", "data_parallel_group")),
+          params=("tensor",)),
     # -- Megatron-LM's training loop (megatron_ext.train; checked by check_deferred) -------
     Entry("training args", "megatron.training.arguments:parse_and_validate_args", "wrap",
           "adds --per-dtype-grad-buffers and --keep-in-fp32-params to the script's "
           "extra_args_provider; once parsed, applies the training entries below if either is on",
           "Megatron-LM's scripts parse their arguments before pretrain(), through this function",
-          since=(0, 19), params=("extra_args_provider", "ignore_unknown_args", "args_defaults")),
+          since=(0, 19),
+          params=("extra_args_provider=", "ignore_unknown_args=", "args_defaults=")),
     Entry("training DDP config", "megatron.training.training:DistributedDataParallelConfig",
           "replace", "get_megatron_ddp_config(args) builds megatron_ext's config; its fields, "
           "per_dtype_grad_buffers included, are read from the parsed arguments",
-          "the option is a DDP config field", since=(0, 19)),
+          "the option is a DDP config field", since=(0, 19), kind="class"),
     Entry("training DDP", "megatron.training.models.dist_utils:DistributedDataParallel",
           "replace", "model chunks are wrapped in megatron_ext.DistributedDataParallel",
           "per-dtype buffers, layouts and fp32 islands are built by our DDP", since=(0, 19),
-          params=("config", "ddp_config", "module")),
+          kind="class", params=("config", "ddp_config", "module", "*args", "**kwargs")),
     Entry("training optimizer", "megatron.training.training:get_megatron_optimizer", "replace",
           "setup_model_and_optimizer builds megatron_ext's optimizers; refuses chunks that "
           "were not built by the training entries above", "flat norm, clip and zero count",
-          since=(0, 19), params=("config", "model_chunks")),
+          since=(0, 19), params=("config", "model_chunks", "*args", "**kwargs")),
     Entry("training fp32 islands", "megatron.training.models.dist_utils:_wrap_with_mp_wrapper",
           "wrap", "marks parameters matching --keep-in-fp32-params, then wraps the chunks in "
           "megatron_ext.Float16Module instead of megatron-core's",
           "megatron-core's Float16Module casts every parameter to bf16/fp16", since=(0, 19),
-          params=("model_list", "transformer_config", "mixed_precision_wrapper")),
+          params=("model_list", "transformer_config", "mixed_precision_wrapper=")),
     Entry("training step", "megatron.training.training:train_step", "wrap",
           "with --log-per-layer-grad-norm, on steps whose iteration is logged: asks the "
           "optimizer for per-parameter norms in that step's norm pass, then logs them per "
           "layer (console, TensorBoard, W&B)", "the loop calls train_step(..., optimizer, "
           "..., iteration=...) once per iteration; nothing else sees the step's norm pass",
-          since=(0, 19), params=("forward_step_func", "data_iterator", "model", "optimizer")),
+          since=(0, 19),
+          params=("forward_step_func", "data_iterator", "model", "optimizer",
+                  "opt_param_scheduler", "config", "forward_backward_func", "iteration=",
+                  "*args", "**kwargs")),
     Entry("training tensorboard", "megatron.training.global_vars:get_tensorboard_writer",
           "call", "the run's TensorBoard writer (None on ranks without one)",
           "per-layer norms go where Megatron-LM logs its grad norm", since=(0, 19), params=()),
@@ -328,27 +396,45 @@ _BY_NAME = {e.name: e for e in ENTRIES}
 DEFERRED = ("megatron.training.", "megatron.core.datasets.")
 
 
-def installed_version() -> tuple[int, ...]:
-    """The installed megatron-core version as integers (``0.19.2+abc`` -> ``(0, 19, 2)``)."""
+class MegatronCoreVersion(Version):
+    """A megatron-core version, ordered as PEP 440 orders it (``0.20.0a1 < 0.20.0rc5 <
+    0.20.0``, ``0.18.2.dev0 < 0.18.2``); indexing reads the release padded to three
+    numbers, so ``v[:2] == (0, 19)`` holds for ``0.19.2+abc``."""
+
+    def __getitem__(self, index):
+        return (*self.release, 0, 0, 0)[:3][index]
+
+
+def installed_version() -> MegatronCoreVersion:
+    """The installed megatron-core version (:func:`parse_version`)."""
     from megatron.core.package_info import __version__
 
     return parse_version(__version__)
 
 
-def parse_version(text: str) -> tuple[int, ...]:
-    """``"0.19.2+138362d"`` -> ``(0, 19, 2)``; ``"0.20.0rc0"`` -> ``(0, 20, 0)``."""
-    out = []
-    for part in text.split("+")[0].split("."):
-        m = re.match(r"\d+", part)
-        if m is None:
-            break
-        out.append(int(m.group()))
-        if m.end() != len(part):
-            break
-    return tuple(out)
+def parse_version(text: str) -> MegatronCoreVersion:
+    """``"0.19.2+138362d"``, ``"0.20.0rc5"``, ``"0.18.2.dev0"`` as a comparable version.
+
+    Raises:
+        MegatronCoreMismatchError: ``text`` is not a PEP 440 version.
+    """
+    try:
+        return MegatronCoreVersion(text)
+    except InvalidVersion:
+        raise MegatronCoreMismatchError(
+            f"megatron-core reports the version {text!r}, which is not a PEP 440 version"
+        ) from None
 
 
-def _applies(entry: Entry, version: tuple[int, ...]) -> bool:
+def supports(version: Version) -> bool:
+    """Whether ``version`` lies in :data:`SUPPORTED`, as pyproject.toml's ``>=, <=`` pins
+    read it: pre-releases of the last version count, local labels (``+sha``) are ignored,
+    a development or pre-release of the first version comes before it."""
+    low, high = (Version(_version_text(v)) for v in SUPPORTED)
+    return low <= Version(version.public) <= high
+
+
+def _applies(entry: Entry, version) -> bool:
     return version[:2] >= entry.since
 
 
@@ -360,29 +446,235 @@ def _resolve(entry: Entry):
     return obj
 
 
-def _params_of(obj) -> tuple[str, ...]:
-    sig = inspect.signature(obj)
-    return tuple(n for n in sig.parameters if n not in ("self", "cls"))
+def _expected_kind(entry: Entry) -> str | None:
+    if entry.kind is not None:
+        return entry.kind
+    if entry.how in ("subclass", "class swap"):
+        return "class"
+    if entry.params is None:
+        return None
+    return "method" if "." in entry.target.partition(":")[2] else "function"
 
 
-def _problem(entry: Entry, version: tuple[int, ...]) -> str | None:
+def _kind_of(owner, raw) -> str:
+    if isinstance(raw, classmethod):
+        return "classmethod"
+    if isinstance(raw, staticmethod):
+        return "staticmethod"
+    if isinstance(raw, property):
+        return "property"
+    if isinstance(raw, type):
+        return "class"
+    if callable(raw):
+        return "method" if isinstance(owner, type) else "function"
+    return f"{type(raw).__name__} value"
+
+
+def _spec(tokens: tuple[str, ...]) -> list[inspect.Parameter]:
+    """``params`` tokens as parameters (default: a marker, only whether there is one)."""
+    out = []
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for token in tokens:
+        if token == "*":
+            kind = inspect.Parameter.KEYWORD_ONLY
+        elif token.startswith("**"):
+            out.append(inspect.Parameter(token[2:], inspect.Parameter.VAR_KEYWORD))
+        elif token.startswith("*"):
+            out.append(inspect.Parameter(token[1:], inspect.Parameter.VAR_POSITIONAL))
+            kind = inspect.Parameter.KEYWORD_ONLY
+        else:
+            name, default = token.removesuffix("="), token.endswith("=")
+            out.append(inspect.Parameter(name, kind, default=... if default else _EMPTY))
+    return out
+
+
+_EMPTY = inspect.Parameter.empty
+_P = inspect.Parameter
+_POSITIONAL = (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)
+_KEYWORD = (_P.POSITIONAL_OR_KEYWORD, _P.KEYWORD_ONLY)
+_KIND_TEXT = {_P.POSITIONAL_ONLY: "positional-only", _P.POSITIONAL_OR_KEYWORD: "positional",
+              _P.KEYWORD_ONLY: "keyword-only", _P.VAR_POSITIONAL: "*args",
+              _P.VAR_KEYWORD: "**kwargs"}  # fmt: skip
+
+
+def _required(p: inspect.Parameter) -> bool:
+    return p.default is _EMPTY and p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD)
+
+
+def _describe_param(p: inspect.Parameter) -> str:
+    return f"{'required' if _required(p) else 'optional'} {_KIND_TEXT[p.kind]} {p.name!r}"
+
+
+def _call_problems(have: list[inspect.Parameter], call: list[inspect.Parameter]) -> list[str]:
+    """What would fail in calling a target whose parameters are ``have`` as ``call`` says."""
+    problems = []
+    by_name = {p.name: p for p in have}
+    positional = [p for p in have if p.kind in _POSITIONAL]
+    takes_args = any(p.kind == _P.VAR_POSITIONAL for p in have)
+    takes_kwargs = any(p.kind == _P.VAR_KEYWORD for p in have)
+    forwards_args = any(p.kind == _P.VAR_POSITIONAL for p in call)
+    forwards_kwargs = any(p.kind == _P.VAR_KEYWORD for p in call)
+    passed = set()
+    ours = [p for p in call if p.kind == _P.POSITIONAL_OR_KEYWORD]
+    for i, p in enumerate(ours):
+        if i < len(positional):
+            t = positional[i]
+            if t.name != p.name:
+                problems.append(
+                    f"its positional parameter {i + 1} is {t.name!r}, where we pass {p.name!r}"
+                )
+            passed.add(t.name)
+        elif not takes_args:
+            problems.append(
+                f"it takes {len(positional)} positional parameters; we pass {p.name!r} as "
+                f"positional argument {i + 1}"
+            )
+    for p in call:
+        if p.kind != _P.KEYWORD_ONLY:
+            continue
+        t = by_name.get(p.name)
+        if t is None:
+            if not takes_kwargs:
+                problems.append(f"it has no parameter {p.name!r}, which we pass by keyword")
+        elif t.kind not in _KEYWORD:
+            problems.append(f"{p.name!r} is now {_KIND_TEXT[t.kind]}; we pass it by keyword")
+        elif t.name in passed:
+            problems.append(f"{p.name!r} now comes before it; we pass it by keyword")
+        passed.add(p.name)
+    for p in call:
+        t = by_name.get(p.name)
+        if p.default is not _EMPTY and t is not None and _required(t):
+            problems.append(f"{p.name!r} is now required; we do not always pass it")
+    for t in have:
+        if not _required(t) or t.name in passed:
+            continue
+        forwarded = (forwards_args and t.kind in _POSITIONAL) or (
+            forwards_kwargs and t.kind in _KEYWORD
+        )
+        if not forwarded:
+            problems.append(f"it has a new {_describe_param(t)} parameter, which we do not pass")
+    return problems
+
+
+def _stand_in_problems(have: list[inspect.Parameter], ours: list[inspect.Parameter]) -> list[str]:
+    """What megatron-core's callers of a target with parameters ``have`` could pass or omit
+    that code taking ``ours`` does not handle (``ours``' ``*args``/``**kwargs`` forward)."""
+    problems = []
+    mine = {p.name: (i, p) for i, p in enumerate(ours)}
+    forwards_args = any(p.kind == _P.VAR_POSITIONAL for p in ours)
+    forwards_kwargs = any(p.kind == _P.VAR_KEYWORD for p in ours)
+    for i, t in enumerate(have):
+        if t.kind == _P.VAR_POSITIONAL and not forwards_args:
+            problems.append(f"it now takes *{t.name}, which our code does not")
+            continue
+        if t.kind == _P.VAR_KEYWORD and not forwards_kwargs:
+            problems.append(f"it now takes **{t.name}, which our code does not")
+            continue
+        if t.kind in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD):
+            continue
+        if t.name not in mine:
+            forwarded = (t.kind == _P.KEYWORD_ONLY and forwards_kwargs) or (
+                t.kind in _POSITIONAL
+                and forwards_args
+                and (t.kind == _P.POSITIONAL_ONLY or forwards_kwargs)
+            )
+            if not forwarded:
+                problems.append(f"it has a new {_describe_param(t)} parameter {i + 1}")
+            continue
+        j, p = mine[t.name]
+        if p.kind != t.kind:
+            problems.append(f"{t.name!r} is now {_KIND_TEXT[t.kind]} (was {_KIND_TEXT[p.kind]})")
+        elif t.kind in _POSITIONAL and i != j:
+            problems.append(f"{t.name!r} moved from position {j + 1} to {i + 1}")
+        if _required(p) and not _required(t):
+            problems.append(f"{t.name!r} now has a default, so callers may leave it out")
+    names = {t.name for t in have}
+    for p in ours:
+        if p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD) and p.name not in names:
+            problems.append(f"it no longer takes {_describe_param(p)}")
+    return problems
+
+
+def _returned_tuples(func) -> list[ast.expr]:
+    """The value of every ``return`` in ``func``'s own body (not in nested functions)."""
+    source = textwrap.dedent(inspect.getsource(inspect.unwrap(func)))
+    node = ast.parse(source).body[0]
+    out, todo = [], list(node.body)
+    while todo:
+        n = todo.pop()
+        if isinstance(n, ast.Return):
+            out.append(n.value)
+        elif not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+            todo.extend(ast.iter_child_nodes(n))
+    return out
+
+
+def _returns_problem(obj, expected: tuple[str, ...]) -> str | None:
+    func = getattr(obj, "__func__", obj)
+    try:
+        values = _returned_tuples(func)
+    except (OSError, TypeError, SyntaxError) as e:
+        return f"its source cannot be read to check the tuple it returns ({e})"
+    if not values:
+        return f"it has no return statement; we expect the tuple ({', '.join(expected)})"
+    for v in values:
+        got = "None" if v is None else ast.unparse(v)
+        items = tuple(ast.unparse(e) for e in v.elts) if isinstance(v, ast.Tuple) else None
+        if items != expected:
+            what = f"a {len(items)}-tuple ({', '.join(items)})" if items is not None else got
+            return (
+                f"it returns {what}; we index or unpack the {len(expected)}-tuple "
+                f"({', '.join(expected)})"
+            )
+    return None
+
+
+def _signature_params(obj, kind: str | None) -> list[inspect.Parameter]:
+    params = list(inspect.signature(obj).parameters.values())
+    if kind == "method" and params:  # looked up on the class: drop self
+        params = params[1:]
+    return params
+
+
+def _problem(entry: Entry) -> str | None:
     try:
         obj = _resolve(entry)
     except (ImportError, AttributeError) as e:
         return f"{entry.target} is missing ({type(e).__name__}: {e})"
+    owner_obj, attr = _owner(entry)
+    kind = _kind_of(owner_obj, inspect.getattr_static(owner_obj, attr))
+    expected = _expected_kind(entry)
+    if expected is not None and kind != expected:
+        return f"{entry.target} is now a {kind}, where we use a {expected}"
     if entry.params is not None:
-        have = _params_of(obj)
-        if have[: len(entry.params)] != entry.params:
-            return f"{entry.target} takes {have}, expected {entry.params} first"
+        try:
+            have = _signature_params(obj, kind)
+        except (TypeError, ValueError) as e:
+            return f"{entry.target} has no signature to check ({e})"
+        mode = SIGNATURES[entry.how]
+        check = _call_problems if mode == "call" else _stand_in_problems
+        problems = check(have, _spec(entry.params))
+        if problems:
+            sig = inspect.signature(obj)
+            plain = [p.replace(annotation=_EMPTY) for p in sig.parameters.values()]
+            shown = sig.replace(parameters=plain, return_annotation=_EMPTY)
+            return (
+                f"{entry.target}{shown}: {'; '.join(problems)} (we rely on "
+                f"({', '.join(entry.params)}) as a {mode})"
+            )
+    if entry.returns is not None:
+        problem = _returns_problem(obj, entry.returns)
+        if problem is not None:
+            return f"{entry.target}: {problem}"
     return None
 
 
-def _version_text(version: tuple[int, ...]) -> str:
-    return ".".join(map(str, version))
+def _version_text(version) -> str:
+    return str(version) if isinstance(version, Version) else ".".join(map(str, version))
 
 
 @functools.cache
-def check() -> tuple[int, ...]:
+def check() -> MegatronCoreVersion:
     """Check the installed megatron-core against :data:`SUPPORTED` and every entry.
 
     Returns the installed version. Raises :class:`MegatronCoreMismatchError` naming the
@@ -390,7 +682,7 @@ def check() -> tuple[int, ...]:
     """
     version = installed_version()
     low, high = SUPPORTED
-    if not low <= version[:3] <= high:
+    if not supports(version):
         raise MegatronCoreMismatchError(
             f"megatron_ext supports megatron-core >= {_version_text(low)}, <= "
             f"{_version_text(high)}; the installed one is {_version_text(version)}. Install "
@@ -401,7 +693,7 @@ def check() -> tuple[int, ...]:
 
 
 @functools.cache
-def check_deferred() -> tuple[int, ...]:
+def check_deferred() -> MegatronCoreVersion:
     """Check the entries :func:`check` leaves out (:data:`DEFERRED`); call before using them.
 
     Returns the installed version. Raises :class:`MegatronCoreMismatchError` as
@@ -416,12 +708,14 @@ def _deferred(entry: Entry) -> bool:
     return entry.target.startswith(DEFERRED)
 
 
-def _check_entries(entries: list[Entry], version: tuple[int, ...]) -> None:
+def _check_entries(entries: list[Entry], version) -> None:
     for entry in entries:
         if not _applies(entry, version):
             continue
-        problem = _problem(entry, version)
-        if problem is not None and not entry.optional:
+        if entry.optional and not _present(entry):
+            continue
+        problem = _problem(entry)
+        if problem is not None:
             raise MegatronCoreMismatchError(
                 f"megatron_ext's touch point {entry.name!r} ({entry.how}: {entry.change}) "
                 f"does not hold on megatron-core {_version_text(version)}: {problem}"
@@ -445,7 +739,10 @@ def owner(name: str) -> tuple[object, str]:
 
     For entries that replace or wrap a binding: ``setattr(*owner(name), new)``.
     """
-    entry = _BY_NAME[name]
+    return _owner(_BY_NAME[name])
+
+
+def _owner(entry: Entry) -> tuple[object, str]:
     module_name, _, qualname = entry.target.partition(":")
     path, _, attr = qualname.rpartition(".")
     obj = importlib.import_module(module_name)
@@ -459,21 +756,35 @@ def optional(name: str):
     entry = _BY_NAME[name]
     if not entry.optional:
         raise ValueError(f"{name!r} is not an optional entry; use seam.target")
+    return _resolve(entry) if _present(entry) else None
+
+
+def _present(entry: Entry) -> bool:
     try:
-        return _resolve(entry)
+        _resolve(entry)
     except (ImportError, AttributeError):
-        return None
+        return False
+    return True
 
 
 def check_instance(name: str, obj) -> None:
-    """Check that ``obj`` has the instance attributes entry ``name`` reads or re-points."""
+    """Check that ``obj`` has the instance attributes entry ``name`` reads or re-points, and
+    that the tuples we unpack from them (``arity``) have as many items as we take."""
     entry = _BY_NAME[name]
     missing = [a for a in entry.attrs if not hasattr(obj, a)]
-    if missing:
+    problems = [f"a {type(obj).__name__} has no {', '.join(missing)}"] if missing else []
+    for attr, n in entry.arity:
+        values = getattr(obj, attr, ())
+        values = values.values() if isinstance(values, dict) else values
+        bad = next((v for v in values if not isinstance(v, tuple | list) or len(v) != n), None)
+        if bad is not None:
+            problems.append(
+                f"{type(obj).__name__}.{attr} holds {bad!r}, where we unpack {n}-tuples"
+            )
+    if problems:
         raise MegatronCoreMismatchError(
             f"megatron_ext's touch point {name!r} ({entry.how}: {entry.change}) does not hold "
-            f"on megatron-core {_version_text(installed_version())}: a "
-            f"{type(obj).__name__} has no {', '.join(missing)}"
+            f"on megatron-core {_version_text(installed_version())}: {'; '.join(problems)}"
         )
 
 

@@ -67,17 +67,18 @@ def exclusion_reason(
     ``gtp_duplicate`` is megatron-core 0.19's ``not param_is_not_gtp_duplicate(param)``: a
     replicated parameter on a nonzero rank of the GTP-remat axis (counted on its rank 0).
     """
-    if shared:
-        return SHARED
+    # Duplicates first: a shared parameter's copy on a nonzero rank is a replica of rank 0's,
+    # which the per-parameter report must not add again (megatron_ext.param_norms).
     if gtp_duplicate:
         return GTP_DUPLICATE
-    if tensor_model_parallel:
-        return None
-    if is_expert and expert_tp_rank is None:
-        # Falling back to the dense TP rank here is the published ETP != TP undercount.
-        raise ValueError("an expert-parallel parameter needs its expert tensor-parallel rank")
-    rank = expert_tp_rank if is_expert else tp_rank
-    return None if rank == 0 else f"{TP_DUPLICATE} (counted on rank 0, this is rank {rank})"
+    if not tensor_model_parallel:
+        if is_expert and expert_tp_rank is None:
+            # Falling back to the dense TP rank here is the published ETP != TP undercount.
+            raise ValueError("an expert-parallel parameter needs its expert tensor-parallel rank")
+        rank = expert_tp_rank if is_expert else tp_rank
+        if rank != 0:
+            return f"{TP_DUPLICATE} (counted on rank 0, this is rank {rank})"
+    return SHARED if shared else None
 
 
 def counted_runs(records: Sequence[GradRecord]) -> tuple[Span, ...]:

@@ -8,10 +8,12 @@ unsharded gradient.
 """
 
 import math
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from buffers.param_norms import gather_union, to_wire
@@ -62,9 +64,18 @@ def reduce_ranks(monkeypatch, per_rank):
     return unions[0], summed.sqrt()
 
 
-def build_rank(dp, rank, *, tp_rank=0, scaled=False, scale=1.0):
-    child, bufs, placed, _ = child_for_rank(dp, rank, scaled=scaled)
-    child.tp_group = FakeGroup(tp_rank, 2 if tp_rank else 1)
+def split_over_tp(bufs, placed, split):
+    """Mark the parameters named in ``split`` as split across tensor-parallel ranks."""
+    for buf in bufs:
+        for p in buf.param_index_map:
+            if names_of(bufs, placed)[id(p)] in split:
+                p.tensor_model_parallel = True
+
+
+def build_rank(dp, rank, *, tp_rank=0, tp=None, scaled=False, scale=1.0, seed=1, split=()):
+    child, bufs, placed, _ = child_for_rank(dp, rank, scaled=scaled, seed=seed)
+    split_over_tp(bufs, placed, split)
+    child.tp_group = FakeGroup(tp_rank, tp or (2 if tp_rank else 1))
     state = _build_state(child, placed)
     for dst, src in (c for t in state.targets for c in t.copies):
         dst.copy_(src)
@@ -124,9 +135,9 @@ def test_tensor_parallel_duplicates_are_reported_once(monkeypatch):
     union, norms = reduce_ranks(monkeypatch, [x[0] for x in ranks])
     want = reference(2)
     for i, name in enumerate(union.names):
-        # bf16.2 is counted nowhere (shared): every copy adds, here two (one per TP rank)
-        factor = math.sqrt(2) if name == "bf16.2" else 1.0
-        assert math.isclose(norms[i].item(), want[name] * factor, rel_tol=1e-6), name
+        # bf16.2 (shared) is counted nowhere but reported all the same: from TP rank 0's
+        # copy too, since TP rank 1's is a replica of it
+        assert math.isclose(norms[i].item(), want[name], rel_tol=1e-6), name
 
 
 class _Layer(torch.nn.Module):
@@ -179,3 +190,108 @@ def test_global_names_use_global_layer_and_expert_indices():
     # A module without layer numbers or expert groups keeps named_parameters()'s names.
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
     assert set(global_param_names(plain).values()) == {n for n, _ in plain.named_parameters()}
+
+
+# -- the per-parameter norms against megatron-core's own norm filter ------------------------
+# Oracle: megatron-core's optimizer filter (get_grads_for_grad_norm / 0.18's
+# get_main_grads_for_grad_norm, which apply param_is_not_shared and
+# param_is_not_tensor_parallel_duplicate) over main parameters built as its distributed
+# optimizer builds them, and its get_grad_norm_fp32 run on the CPU (its "cuda" allocations
+# made on the CPU, its all-reduce done here as the SUM of the ranks' squares it is).
+
+
+def megatron_main_params(child, held):
+    """This rank's fp32 main parameters as megatron-core's distributed optimizer makes them:
+    the shard of each held parameter, tensor-parallel attributes and ``shared`` copied, its
+    ``.grad`` the shard of the parameter's gradient (what the optimizer's copy step leaves)."""
+    from megatron.core import tensor_parallel
+
+    mains = []
+    for p in held:
+        r = child._get_model_param_range_map(p)["param"]
+        main = torch.nn.Parameter(p.detach().view(-1)[r.start : r.end].float().clone())
+        tensor_parallel.copy_tensor_model_parallel_attributes(main, p)
+        if hasattr(p, "shared"):  # megatron-core's copy_optimizer_param_metadata / 0.18's copy
+            main.shared = p.shared
+        main.grad = p.main_grad.view(-1)[r.start : r.end].float().clone()
+        mains.append(main)
+    return mains
+
+
+def megatron_grads_for_norm(child, mains):
+    """megatron-core's own choice of the gradients its norm counts on this rank."""
+    opt = object.__new__(type(child))
+    opt.config = types.SimpleNamespace(
+        use_precision_aware_optimizer=False, use_precision_aware_optimizer_no_fp8_or_ds_fp8=False
+    )
+    opt.tp_group, opt.expert_tp_group = child.tp_group, child.expert_tp_group
+    opt.get_parameters = lambda: mains
+    if hasattr(opt, "get_grads_for_grad_norm"):  # megatron-core 0.19+
+        return opt.get_grads_for_grad_norm()
+    return opt.get_main_grads_for_grad_norm()  # 0.18
+
+
+def megatron_local_norm_sq(grads):
+    """megatron-core's get_grad_norm_fp32 on this rank, all-reduce left out: its square is
+    what this rank adds to the SUM all-reduce."""
+    from megatron.core.optimizer import clip_grads
+
+    fn = clip_grads.get_grad_norm_fp32
+    assert fn.__module__ == "megatron.core.optimizer.clip_grads", "megatron_ext.install() is on"
+    zeros, tensor = torch.zeros, torch.tensor
+
+    def on_cpu(make):
+        def made(*args, device=None, **kwargs):
+            return make(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+        return made
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "zeros", on_cpu(zeros))
+        mp.setattr(torch, "tensor", on_cpu(tensor))
+        mp.setattr(dist, "all_reduce", lambda t, op=None, group=None, async_op=False: None)
+        norm = fn(grads, grad_stats_parallel_group=None)
+    return float(norm) ** 2
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("split", [(), ("bf16.2",)], ids=["replicated", "shared-split"])
+def test_shared_parameters_against_megatron_cores_own_filter(monkeypatch, tp, split):
+    # TP x DP = tp x 2 ranks holding the same parameters, none split across TP ranks but
+    # those in `split` (a vocab-parallel tied output weight is shared and split: its TP
+    # pieces add up). bf16.2 is `shared`. Fresh random gradients (a seed per tp).
+    dp = 2
+    grid = [(t, d) for t in range(tp) for d in range(dp)]
+    ours, oracle_total_sq, oracle = [], 0.0, {}
+    for t, d in grid:
+        ours.append(build_rank(dp, d, tp_rank=t, tp=tp, seed=100 + tp, split=split)[0])
+        # the oracle's own build of the same rank: same gradients, its own tensors
+        child, bufs, placed, held = child_for_rank(dp, d, seed=100 + tp)
+        split_over_tp(bufs, placed, split)
+        child.tp_group = FakeGroup(t, tp)
+        mains = megatron_main_params(child, held)
+        grads = megatron_grads_for_norm(child, mains)
+        oracle_total_sq += megatron_local_norm_sq(grads)
+        names = names_of(bufs, placed)
+        for p, main in zip(held, mains, strict=True):
+            # A parameter's own norm: the copies megatron-core does not call tensor-parallel
+            # duplicates (its shared filter is about the total, not about the copies).
+            if param_is_not_tensor_parallel_duplicate(main, tp_group=child.tp_group):
+                sq = main.grad.double().square().sum().item()
+                oracle[names[id(p)]] = oracle.get(names[id(p)], 0.0) + sq
+    union, norms = reduce_ranks(monkeypatch, ours)
+    counted = dict(zip(union.names, union.counted, strict=True))
+    assert counted["bf16.2"] is False and sum(counted.values()) == len(counted) - 1
+    # 1. the total is megatron-core's global norm
+    assert math.isclose(norms[-1].item(), math.sqrt(oracle_total_sq), rel_tol=1e-6)
+    # 2. the counted per-parameter norms add up to it (sum of squares = total squared)
+    sq = sum(norms[i].item() ** 2 for i, n in enumerate(union.names) if counted[n])
+    assert math.isclose(sq, oracle_total_sq, rel_tol=1e-6)
+    # 3. every parameter's norm is its gradient's norm, the shared one included: each
+    #    tensor-parallel replica is the same gradient, counted once (not sqrt(tp) times);
+    #    pieces of a split one add up (the fake gives every TP piece the same values)
+    for i, name in enumerate(union.names):
+        assert math.isclose(norms[i].item(), math.sqrt(oracle[name]), rel_tol=1e-6), (
+            name,
+            norms[i].item() / math.sqrt(oracle[name]),
+        )
