@@ -17,7 +17,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_ext.ddp import param_flags
 from megatron_ext.layout import buffer_layout
-from megatron_ext.optimizer import _build_state
+from megatron_ext.opt_state import _build_state
 from megatron_ext.spans import exclusion_reason
 from tests.support.fakes import FakeGroup
 
@@ -233,7 +233,7 @@ def test_checkpoint_index_map_points_at_each_parameters_own_shard(dp):
     checkpoint save/load read another parameter's state (GPU run 37's save failure).
     Oracle: each parameter's shard, by size and values (each parameter holds its own
     constant), as megatron-core's own builders make them."""
-    from megatron_ext.optimizer import align_group_order
+    from megatron_ext.opt_checkpoint import align_group_order
 
     class CudaTyped(torch.nn.Parameter):
         """Answers type() as a CUDA tensor would: megatron-core's builder accepts only
@@ -292,7 +292,7 @@ def test_a_never_stepped_optimizer_can_build_its_state_dict_for_loading():
     (GPU run 38). After create_state_before_loading it returns the step-0 state dict."""
     from megatron.core.optimizer import distrib_optimizer
 
-    from megatron_ext.optimizer import create_state_before_loading
+    from megatron_ext.opt_checkpoint import create_state_before_loading
 
     if distrib_optimizer.HAVE_APEX_OR_TE:
         pytest.skip("TE or Apex is installed: megatron-core reads the step elsewhere")
