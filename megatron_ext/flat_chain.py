@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .flat_optimizer import FlatNormOptimizer, _device, _per_param
+from .flat_optimizer import FlatNormOptimizer, _per_param
 from .param_norms import concat_norms
 
 
@@ -78,7 +78,7 @@ class FlatChainedOptimizer:
         if self.grads_states_parallel_group_is_shared():
             zeros = sum(
                 (c._flat_local_zeros() for c in children),
-                torch.zeros((), dtype=torch.int64, device=_device()),
+                torch.zeros((), dtype=torch.int64, device=children[0]._flat_norm_clip.device),
             )
             torch.distributed.all_reduce(zeros, group=self.get_grad_stats_parallel_group())
             return zeros

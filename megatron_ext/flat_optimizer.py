@@ -25,7 +25,9 @@ class FlatNormOptimizer:
             setattr(tensor, attr, view)
 
     def _flat_local_zeros(self) -> torch.Tensor:
-        return ops.count_zeros_groups(self._flat.norm_groups, self._flat.padding, _device())
+        return ops.count_zeros_groups(
+            self._flat.norm_groups, self._flat.padding, self._flat_norm_clip.device
+        )
 
     def _flat_scale(self, total_norm: torch.Tensor, max_norm: float) -> None:
         self._flat_norm_clip.scale_by_norm_(total_norm, max_norm)
@@ -98,7 +100,3 @@ def _per_param(owner, children, group):
         pn = MegatronParamNorms(targets, owner._flat_names, nc.device, nc.options)
         owner._flat_param_norms = pn
     return pn.norms(2.0, nc.replay, group, FlatNormOptimizer._flat_reducer(owner, group))
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())

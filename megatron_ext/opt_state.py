@@ -76,6 +76,18 @@ def placed_buffers(model_chunks) -> list[tuple[object, BufferLayout, torch.Tenso
     ]
 
 
+def buffers_device(placed) -> torch.device:
+    """Where the flat buffers live (the first one's device), so results live there too.
+
+    With no buffers at all: the current CUDA device when there is one, else the CPU.
+    """
+    if placed:
+        return placed[0][0].grad_data.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _build_state(child, placed, options: BufferOptions = DEFAULT) -> FlatOptimizerState:
     if getattr(child, "is_stub_optimizer", False):
         return FlatOptimizerState([], None)

@@ -15,7 +15,7 @@ from buffers.graphs import NormClip
 
 from . import offload, seam
 from .flat_chain import FlatChainedOptimizer
-from .flat_optimizer import FlatNormOptimizer, _device
+from .flat_optimizer import FlatNormOptimizer
 from .opt_checkpoint import (
     align_group_order,
     create_state_before_loading,
@@ -25,6 +25,7 @@ from .opt_state import (
     _build_state,
     _check_no_separate_norm_groups,
     _check_supported,
+    buffers_device,
     placed_buffers,
 )
 from .options import MegatronOptions
@@ -118,6 +119,7 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
         seam.check_instance("ChainedOptimizer", opt)
     children = opt.chained_optimizers if isinstance(opt, ChainedOptimizer) else [opt]
     placed = placed_buffers(model_chunks)
+    device = buffers_device(placed)
     _check_no_separate_norm_groups(opt)
     names: dict[int, str] = {}  # global names, for per-parameter norms
     for m in model_chunks:
@@ -136,7 +138,7 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
             offload.attach_host_mirrors(child)
         # Norm and scale launches over these fixed spans, replayed as CUDA graphs.
         child._flat_norm_clip = NormClip(
-            child._flat.norm_groups, child._flat.scale_groups, _device(), options
+            child._flat.norm_groups, child._flat.scale_groups, device, options
         )
     if isinstance(opt, ChainedOptimizer):
         opt.__class__ = _flat_class(type(opt))
@@ -146,7 +148,7 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
             opt._flat_norm_clip = NormClip(
                 [g for c in children for g in c._flat.norm_groups],
                 [g for c in children for g in c._flat.scale_groups],
-                _device(),
+                device,
                 options,
             )
     return opt
