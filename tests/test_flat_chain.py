@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_ext import enable_flat_norm
 from megatron_ext.param_norms import concat_norms
@@ -24,6 +25,7 @@ from tests.support.optimizers import (
     chain,
     config,
     counted,
+    dist_child,
     float16_child,
     make_buffer,
     make_params,
@@ -43,7 +45,9 @@ EXPERT = [Spec("e_split", 200, tp=True, expert=True), Spec("e_repl", 90, expert=
 class Built:
     """The chain, its children, and per child the raw gradients and parameters."""
 
-    def __init__(self, groups=("shared",), clips=(1.0, 1.0), seed=0, scaler=None, **cfg):
+    def __init__(
+        self, groups=("shared",), clips=(1.0, 1.0), seed=0, scaler=None, kind="float16", **cfg
+    ):
         gen = torch.Generator().manual_seed(seed)
         named, bufs, self.children, self.raw = {}, [], [], []
         shared = RankGroup(2, name="shared")
@@ -58,12 +62,18 @@ class Built:
             by_dtype = {}
             for p in params:
                 by_dtype.setdefault(p.dtype, []).append(p)
-            bufs += [make_buffer(ps, gen) for ps in by_dtype.values()]
+            mine = [make_buffer(ps, gen) for ps in by_dtype.values()]
+            bufs += mine
             named.update({s.name: p for s, p in zip(specs, params, strict=True)})
             self.raw.append(
                 {s.name: p.main_grad.double().clone() for s, p in zip(specs, params, strict=True)}
             )
-            child = float16_child(params, base, group, RankGroup(1), RankGroup(1), scaler=scaler)
+            if kind == "float16":
+                child = float16_child(
+                    params, base, group, RankGroup(1), RankGroup(1), scaler=scaler
+                )
+            else:
+                child = dist_child(params, mine, base, group, RankGroup(1), RankGroup(1), scaler)
             self.children.append(child)
         self.named = named
         self.opt = chain(self.children)
@@ -83,8 +93,14 @@ class Built:
         """Child ``i``'s main parameters by model parameter name."""
         c = self.children[i]
         name = {id(p): n for n, p in self.named.items()}
-        pairs = [*zip(c.float16_groups[0], c.fp32_from_float16_groups[0], strict=True)]
-        pairs += [(p, p) for p in c.fp32_from_fp32_groups[0]]
+        if isinstance(c, DistributedOptimizer):
+            pairs = [
+                *zip(c.model_float16_groups[0], c.shard_fp32_from_float16_groups[0], strict=True),
+                *zip(c.model_fp32_groups[0], c.shard_fp32_groups[0], strict=True),
+            ]
+        else:
+            pairs = [*zip(c.float16_groups[0], c.fp32_from_float16_groups[0], strict=True)]
+            pairs += [(p, p) for p in c.fp32_from_fp32_groups[0]]
         return {name[id(model)]: main for model, main in pairs}
 
     def applied(self, i) -> dict:
@@ -99,18 +115,20 @@ class Built:
             torch.testing.assert_close(delta, self.raw[i][n] * coeff, rtol=1e-5, atol=1e-5)
 
 
-def test_separate_groups_combine_as_the_root_of_the_sum_of_squares(monkeypatch):
+@pytest.mark.parametrize("kind", ["float16", "dist"])
+def test_separate_groups_combine_as_the_root_of_the_sum_of_squares(monkeypatch, kind):
     log = record_all_reduce(monkeypatch)
-    b = Built(groups=("dense", "expert"))
+    b = Built(groups=("dense", "expert"), kind=kind)
     assert not b.opt.grads_states_parallel_group_is_shared()
     want = math.sqrt(2 * b.local(0) + 3 * b.local(1))
     assert b.opt.get_grad_norm().item() == pytest.approx(want, rel=1e-6)
     assert [g for g, _ in log] == b.groups  # each child over its own group, in order
 
 
-def test_a_shared_group_is_one_norm_over_every_childs_spans(monkeypatch):
+@pytest.mark.parametrize("kind", ["float16", "dist"])
+def test_a_shared_group_is_one_norm_over_every_childs_spans(monkeypatch, kind):
     log = record_all_reduce(monkeypatch)
-    b = Built()
+    b = Built(kind=kind)
     want = math.sqrt(2 * (b.local(0) + b.local(1)))
     assert b.opt.get_grad_norm().item() == pytest.approx(want, rel=1e-6)
     assert log == [(b.groups[0], dist.ReduceOp.SUM)]  # one all-reduce for both children

@@ -147,3 +147,33 @@ def test_fp32_shards_become_leaves_during_construction_only():
     assert shard.tensor_model_parallel is True  # Megatron's attributes kept
     assert any(q is shard for q in optimized)  # the optimizer steps the leaf
     assert not any(q is stock_shard for q in optimized)
+
+
+@pytest.mark.parametrize("host_mirrors", [True, False])
+def test_options_reach_every_child(monkeypatch, host_mirrors):
+    from megatron_ext import MegatronOptions, offload
+
+    attached = []
+    monkeypatch.setattr(offload, "attach_host_mirrors", attached.append)
+    params, named, bufs = model()
+    child = float16_child(params, config(), RankGroup(1), RankGroup(1))
+    child._has_grad_norm_group_cache = {"mtp": False}
+    options = MegatronOptions(host_mirrors=host_mirrors)
+    enable_flat_norm(child, [Chunk(named, bufs)], options=options)
+    assert attached == ([child] if host_mirrors else [])
+    assert child._flat_norm_clip.options is options
+
+
+def test_the_flat_class_is_made_once_and_keeps_the_base():
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    from megatron_ext.optimizer import _flat_class
+
+    params, named, bufs = model()
+    child = float16_child(params, config(), RankGroup(1), RankGroup(1))
+    child._has_grad_norm_group_cache = {"mtp": False}
+    enable_flat_norm(child, [Chunk(named, bufs)])
+    flat = type(child)
+    assert flat.__bases__ == (Float16OptimizerWithFloat16Params,)
+    assert flat._flat_base is Float16OptimizerWithFloat16Params
+    assert _flat_class(flat) is flat and _flat_class(Float16OptimizerWithFloat16Params) is flat
