@@ -45,24 +45,28 @@ def _hdo_after_megatron_cores_load():
     CPU sub-optimizer, one ``step`` tensor shared by every parameter's state."""
     hdo = HybridDeviceOptimizer.__new__(HybridDeviceOptimizer)
     gpu_p = torch.nn.Parameter(torch.zeros(3, device="meta"))
-    cpu_p = torch.nn.Parameter(torch.zeros(4))
+    cpu_p, cpu_q = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2))
     step = torch.tensor(5.0)
     states = {
         gpu_p: {"exp_avg": torch.ones(3), "step": step},  # moments left on the CPU
         cpu_p: {"exp_avg": torch.ones(4), "step": step},
+        cpu_q: {"exp_avg": torch.ones(2), "step": step},
     }
     hdo.gpu_optimizer = SimpleNamespace(
         param_groups=[{"params": [gpu_p], "fused": True}], state={gpu_p: states[gpu_p]}
     )
     hdo.cpu_optimizers = [
-        SimpleNamespace(param_groups=[{"params": [cpu_p]}], state={cpu_p: states[cpu_p]})
+        SimpleNamespace(
+            param_groups=[{"params": [cpu_p, cpu_q]}],
+            state={p: states[p] for p in (cpu_p, cpu_q)},
+        )
     ]
     hdo.state = states  # the offload optimizer's own state holds the same dicts
-    return hdo, gpu_p, cpu_p
+    return hdo, gpu_p, cpu_p, cpu_q
 
 
 def test_load_resyncs_the_offload_optimizer_then_places_and_unshares_state(monkeypatch):
-    hdo, gpu_p, cpu_p = _hdo_after_megatron_cores_load()
+    hdo, gpu_p, cpu_p, cpu_q = _hdo_after_megatron_cores_load()
     sync = Recorder()
     monkeypatch.setattr(HybridDeviceOptimizer, "_sync_hdo_state_to_sub_optimizers", sync)
     base = SimpleNamespace(load_state_dict=Recorder())
@@ -73,8 +77,8 @@ def test_load_resyncs_the_offload_optimizer_then_places_and_unshares_state(monke
     assert hdo.state[gpu_p]["exp_avg"].device.type == "meta"
     assert hdo.state[gpu_p]["step"].device.type == "meta"  # fused: torch keeps it there
     assert hdo.state[cpu_p]["exp_avg"].device.type == "cpu"
-    steps = [hdo.state[p]["step"] for p in (gpu_p, cpu_p)]
-    assert steps[0] is not steps[1] and float(steps[1]) == 5.0
+    steps = [hdo.state[p]["step"] for p in (cpu_p, cpu_q)]  # both stay on the CPU
+    assert steps[0] is not steps[1] and [float(s) for s in steps] == [5.0, 5.0]
 
 
 def test_load_without_offload_does_not_sync(monkeypatch):
