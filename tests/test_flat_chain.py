@@ -8,6 +8,7 @@ statistic went over shows in its value. Oracles: fp64 over the raw gradients dra
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -303,6 +304,7 @@ def test_a_chain_of_one_is_its_child(monkeypatch):
     total = math.sqrt(3 * local)
     assert opt.get_grad_norm().item() == pytest.approx(total, rel=1e-6)
     assert opt.per_param_grad_norms().total.item() == pytest.approx(total, rel=1e-6)
+    assert opt.clip_grad_norm(1e9).item() == pytest.approx(total, rel=1e-6)  # no clip
     before = {id(m): m.detach().clone() for m in child.fp32_from_float16_groups[0]}
     ok, norm, zeros = opt.step()
     assert ok is True and norm.item() == pytest.approx(total, rel=1e-6)
@@ -312,3 +314,38 @@ def test_a_chain_of_one_is_its_child(monkeypatch):
         delta = (before[id(main)].double() - main.detach().double()).view(-1)
         want = raw[name[id(model)]] * 0.5 / (total + 1e-6)
         torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stub_distributed_optimizer_in_the_chain_adds_nothing(monkeypatch):
+    """A rank with no parameters for one optimizer gets megatron-core's stub (built with
+    ``optimizer=None``: no buffers, no groups, only these attributes)."""
+    log = record_all_reduce(monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    params = make_params(DENSE, gen)
+    named = {s.name: p for s, p in zip(DENSE, params, strict=True)}
+    bufs = [make_buffer([p for p in params if p.dtype == dt], gen) for dt in (torch.bfloat16, FP32)]
+    raw = {n: p.main_grad.double().clone() for n, p in named.items()}
+    group = RankGroup(2)
+    cfg = config(0.5)
+    child = float16_child(params, cfg, group, RankGroup(1))
+    stub = DistributedOptimizer.__new__(DistributedOptimizer)
+    stub.optimizer, stub.config, stub.grad_scaler, stub.init_state_fn = None, cfg, None, None
+    stub.model_chunks, stub.is_stub_optimizer = [], True
+    stub.ddp_config = SimpleNamespace(use_megatron_fsdp=False, overlap_param_gather=False)
+    stub.grad_stats_parallel_group = group
+    opt = enable_flat_norm(chain([child, stub]), [Chunk(named, bufs)])
+    assert stub._flat.targets == []
+    local = sumsq(g for n, g in raw.items() if counted(named[n]))
+    total = math.sqrt(2 * local)
+    assert opt.get_grad_norm().item() == pytest.approx(total, rel=1e-6)
+    zeros = sum(int((g == 0).sum()) for n, g in raw.items() if counted(named[n]))
+    assert opt.count_zeros().item() == 2 * zeros
+    before = {id(m): m.detach().clone() for m in child.fp32_from_float16_groups[0]}
+    ok, norm, _ = opt.step()
+    assert ok is True and norm.item() == pytest.approx(total, rel=1e-6)
+    name = {id(p): n for n, p in named.items()}
+    for model, main in zip(child.float16_groups[0], child.fp32_from_float16_groups[0], strict=True):
+        delta = (before[id(main)].double() - main.detach().double()).view(-1)
+        want = raw[name[id(model)]] * 0.5 / (total + 1e-6)
+        torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
+    assert {g for g, _ in log} == {group}

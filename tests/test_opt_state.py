@@ -9,7 +9,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer
 
 import megatron_ext
-from megatron_ext import enable_flat_norm
+from megatron_ext import enable_flat_norm, opt_checkpoint
 from megatron_ext.optimizer import _fp32_shards_as_leaves
 from tests.support.optimizers import (
     BF16,
@@ -177,3 +177,5 @@ def test_the_flat_class_is_made_once_and_keeps_the_base():
     assert flat.__bases__ == (Float16OptimizerWithFloat16Params,)
     assert flat._flat_base is Float16OptimizerWithFloat16Params
     assert _flat_class(flat) is flat and _flat_class(Float16OptimizerWithFloat16Params) is flat
+    for name in ("sharded_state_dict", "load_state_dict", "_set_main_param_and_optimizer_states"):
+        assert getattr(flat, name) is getattr(opt_checkpoint, name), name
