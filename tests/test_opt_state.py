@@ -179,3 +179,26 @@ def test_the_flat_class_is_made_once_and_keeps_the_base():
     assert _flat_class(flat) is flat and _flat_class(Float16OptimizerWithFloat16Params) is flat
     for name in ("sharded_state_dict", "load_state_dict", "_set_main_param_and_optimizer_states"):
         assert getattr(flat, name) is getattr(opt_checkpoint, name), name
+
+
+def test_megatron_cores_factory_runs_with_fp32_shards_as_leaves(monkeypatch):
+    import megatron.core.optimizer as mcore_optimizer
+
+    from megatron_ext import optimizer
+
+    original = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+    seen = []
+
+    def factory(cfg, chunks, *args, **kwargs):
+        wrapped = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+        seen.append((wrapped is not original, args, kwargs))
+        return "built"
+
+    monkeypatch.setattr(mcore_optimizer, "get_megatron_optimizer", factory)
+    monkeypatch.setattr(optimizer, "enable_flat_norm", lambda opt, chunks, options: (opt, options))
+    chunks = [types.SimpleNamespace(per_dtype_grad_buffers=True)]
+    options = megatron_ext.MegatronOptions(host_mirrors=False)
+    got = megatron_ext.get_megatron_optimizer(config(), chunks, 1, options=options, k=2)
+    assert got == ("built", options)
+    assert seen == [(True, (1,), {"k": 2})]
+    assert DistributedOptimizer.__dict__["_build_model_and_main_param_groups"] is original
