@@ -231,15 +231,16 @@ def test_chain_clip_grad_norm_scales_every_child(monkeypatch):
                 torch.testing.assert_close(main.grad.double().view(-1), want, rtol=1e-5, atol=0)
 
 
-def test_the_step_that_computes_per_parameter_norms_still_clips(monkeypatch):
+@pytest.mark.parametrize("clips", [(0.5, 0.5), (0.0, 0.5)])
+def test_the_step_that_computes_per_parameter_norms_still_clips(monkeypatch, clips):
     record_all_reduce(monkeypatch)
-    b = Built(clips=(0.5, 0.5))
+    b = Built(clips=clips)
     b.opt.request_per_param_grad_norms()
     ok, norm, _ = b.opt.step()
     total = math.sqrt(2 * (b.local(0) + b.local(1)))
     assert ok is True and norm.item() == pytest.approx(total, rel=1e-6)
-    for i in range(2):
-        b.assert_applied(i, 0.5 / (total + 1e-6))
+    for i, clip in enumerate(clips):
+        b.assert_applied(i, clip / (total + 1e-6) if clip > 0 else 1.0)
     pn = b.opt.take_per_param_grad_norms()
     assert pn is not None and pn.total.item() == pytest.approx(total, rel=1e-6)
     assert b.opt.take_per_param_grad_norms() is None  # taken, and cleared
@@ -289,7 +290,8 @@ def test_a_norm_above_the_skip_threshold_skips_the_update(monkeypatch, above):
             b.assert_applied(i, 1.0)
 
 
-def test_a_chain_of_one_is_its_child(monkeypatch):
+@pytest.mark.parametrize("clip", [0.5, 0.0])
+def test_a_chain_of_one_is_its_child(monkeypatch, clip):
     log = record_all_reduce(monkeypatch)
     gen = torch.Generator().manual_seed(2)
     params = make_params(DENSE, gen)
@@ -297,7 +299,7 @@ def test_a_chain_of_one_is_its_child(monkeypatch):
     bufs = [make_buffer([p for p in params if p.dtype == dt], gen) for dt in (torch.bfloat16, FP32)]
     raw = {n: p.main_grad.double().clone() for n, p in named.items()}
     group = RankGroup(3)
-    child = float16_child(params, config(0.5), group, RankGroup(1))
+    child = float16_child(params, config(clip), group, RankGroup(1))
     opt = enable_flat_norm(chain([child]), [Chunk(named, bufs)])
     assert "_flat_norm_clip" not in vars(opt)  # everything goes to the child
     local = sumsq(g for n, g in raw.items() if counted(named[n]))
@@ -312,7 +314,7 @@ def test_a_chain_of_one_is_its_child(monkeypatch):
     name = {id(p): n for n, p in named.items()}
     for model, main in zip(child.float16_groups[0], child.fp32_from_float16_groups[0], strict=True):
         delta = (before[id(main)].double() - main.detach().double()).view(-1)
-        want = raw[name[id(model)]] * 0.5 / (total + 1e-6)
+        want = raw[name[id(model)]] * (clip / (total + 1e-6) if clip > 0 else 1.0)
         torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
 
 
