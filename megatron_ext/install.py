@@ -32,7 +32,7 @@ def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=No
     data_parallel_group = _dtensor_group(grads)
     grads = [to_local_if_dtensor(grad) for grad in grads]
     p = ops.check_norm_type(norm_type)
-    device = grads[0].device if grads else torch.device("cuda", torch.cuda.current_device())
+    device = grads[0].device if grads else _default_device()
     stat = ops.local_power_stat(lists.group_by_device_dtype(grads), p, device)
     if data_parallel_group is not None:
         stat = ops.all_reduce_stat(stat, p, data_parallel_group)
@@ -41,6 +41,14 @@ def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=No
     if group is None:
         group = torch.distributed.group.WORLD
     return ops.finish_norm(ops.all_reduce_stat(stat, p, group), p)
+
+
+def _default_device() -> torch.device:
+    """Where a norm over no gradients lives: the current CUDA device (as megatron-core's),
+    or the CPU on a machine without one."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _dtensor_group(grads: list):

@@ -125,3 +125,39 @@ def test_uninstall_leaves_this_packages_own_definitions(restored):
     megatron_ext.install()
     megatron_ext.uninstall()
     assert (install_module.get_grad_norm_fp32, install_module.clip_grad_by_total_norm_fp32) == ours
+
+
+def test_the_norm_all_reduces_over_the_given_group_and_none_means_the_world(monkeypatch):
+    """As stock's: one all-reduce over ``grad_stats_parallel_group``, the world's when it
+    is None (the recording fake counts 3 ranks for the group and 5 for the world)."""
+    from tests.support.optimizers import WORLD_SIZE, RankGroup, record_all_reduce
+
+    log = record_all_reduce(monkeypatch)
+    gen = torch.Generator().manual_seed(9)
+    grads = [torch.randn(300, generator=gen).bfloat16(), torch.randn(40, generator=gen)]
+    local = sum(float(g.double().square().sum()) for g in grads)
+    group = RankGroup(3)
+    got = install_module.get_grad_norm_fp32(grads, grad_stats_parallel_group=group)
+    assert got.item() == pytest.approx(math.sqrt(3 * local), rel=1e-6)
+    got = install_module.get_grad_norm_fp32(grads)
+    assert got.item() == pytest.approx(math.sqrt(WORLD_SIZE * local), rel=1e-6)
+    assert [g for g, _ in log] == [group, dist.group.WORLD]
+    # a rank with no gradients still joins the collective (on the CPU without a GPU)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert install_module.get_grad_norm_fp32([], grad_stats_parallel_group=group).item() == 0.0
+    assert len(log) == 3
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_clip_scales_decoupled_or_plain_gradients_as_asked(decoupled):
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (6, 9)]
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    others = [torch.randn(p.shape, generator=gen) for p in params]
+    for p, g, o in zip(params, grads, others, strict=True):
+        p.decoupled_grad, p.grad = (g.clone(), o.clone()) if decoupled else (o.clone(), g.clone())
+    install_module.clip_grad_by_total_norm_fp32(params, 1.0, 8.0, use_decoupled_grad=decoupled)
+    for p, g, o in zip(params, grads, others, strict=True):
+        read, left = (p.decoupled_grad, p.grad) if decoupled else (p.grad, p.decoupled_grad)
+        torch.testing.assert_close(read.double(), g.double() / (8.0 + 1e-6), rtol=1e-6, atol=0)
+        assert torch.equal(left, o)

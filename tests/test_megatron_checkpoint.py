@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_ext.optimizer import FlatNormOptimizer  # noqa: E402
+from megatron_ext.flat_optimizer import FlatNormOptimizer  # noqa: E402
 
 
 def _stepped_adam(n_params=3, seed=0):
@@ -112,7 +112,7 @@ def test_float16_sharded_state_dict_pairs_states_with_their_own_parameters():
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
-    from megatron_ext.optimizer import _float16_sharded_state_dict
+    from megatron_ext.opt_checkpoint import _float16_sharded_state_dict
 
     g = torch.Generator().manual_seed(3)
     shapes = {"w": (4, 3), "b": (4,), "alpha": (3,), "sink": (5,)}

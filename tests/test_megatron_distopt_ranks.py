@@ -17,7 +17,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_ext.ddp import param_flags
 from megatron_ext.layout import buffer_layout
-from megatron_ext.optimizer import _build_state
+from megatron_ext.opt_state import _build_state
 from megatron_ext.spans import exclusion_reason
 from tests.support.fakes import FakeGroup
 
@@ -62,21 +62,21 @@ def fake_buffer(params, dtype, dp, rank, bucket_elems, gen):
     )
 
 
-def model(seed=0):
+def model(seed=0, fp32_sizes=(64, 40)):
     """bf16 parameters that straddle bucket and shard boundaries, a shared one, and a small
     fp32 buffer (a sink and a kept-in-fp32 weight) that some ranks own none of."""
     torch.manual_seed(seed)
     bf16 = [torch.nn.Parameter(torch.zeros(n, dtype=BF16)) for n in (300, 1000, 77, 2500, 130)]
     bf16[2].shared = True
-    fp32 = [torch.nn.Parameter(torch.zeros(n, dtype=FP32)) for n in (64, 40)]
+    fp32 = [torch.nn.Parameter(torch.zeros(n, dtype=FP32)) for n in fp32_sizes]
     names = {p: f"bf16.{i}" for i, p in enumerate(bf16)} | {
         p: f"fp32.{i}" for i, p in enumerate(fp32)
     }
     return bf16, fp32, names
 
 
-def child_for_rank(dp, rank, *, scaled=False, seed=1):
-    bf16, fp32, names = model()
+def child_for_rank(dp, rank, *, scaled=False, seed=1, fp32_sizes=(64, 40)):
+    bf16, fp32, names = model(fp32_sizes=fp32_sizes)
     gen = torch.Generator().manual_seed(seed)
     bufs = [
         fake_buffer(bf16, BF16, dp, rank, 1500, gen),
@@ -118,11 +118,14 @@ def fp64_counted_sumsq(bufs):
     return total
 
 
-@pytest.mark.parametrize("dp", [2, 4])
-def test_every_rank_builds_and_the_shards_add_up_to_the_fp64_norm(dp):
+@pytest.mark.parametrize(
+    "dp,fp32_sizes",
+    [(2, (64, 40)), (4, (64, 40)), (2, (150,))],  # (150,): one fp32 parameter split by ranks
+)
+def test_every_rank_builds_and_the_shards_add_up_to_the_fp64_norm(dp, fp32_sizes):
     total, holds_fp32 = 0.0, []
     for rank in range(dp):
-        child, bufs, placed, held = child_for_rank(dp, rank)
+        child, bufs, placed, held = child_for_rank(dp, rank, fp32_sizes=fp32_sizes)
         assert len(held) < 7  # megatron-core gave this rank only part of the model
         state = _build_state(child, placed)
         for dst, src in (c for t in state.targets for c in t.copies):
@@ -140,7 +143,10 @@ def test_every_rank_builds_and_the_shards_add_up_to_the_fp64_norm(dp):
             assert torch.equal(bound[id(main)].double(), want)
     if dp == 4:  # the fp32 buffer is 2 x 64 elements of 4 x 64: ranks 2 and 3 own padding
         assert holds_fp32 == [True, True, False, False]
-    assert total == pytest.approx(fp64_counted_sumsq(child_for_rank(dp, 0)[1]), rel=1e-12)
+    if fp32_sizes == (150,):  # both ranks own part of it
+        assert holds_fp32 == [True, True]
+    want = fp64_counted_sumsq(child_for_rank(dp, 0, fp32_sizes=fp32_sizes)[1])
+    assert total == pytest.approx(want, rel=1e-12)
 
 
 def test_with_a_loss_scaler_the_norm_reads_the_unscaled_copies():
@@ -233,7 +239,7 @@ def test_checkpoint_index_map_points_at_each_parameters_own_shard(dp):
     checkpoint save/load read another parameter's state (GPU run 37's save failure).
     Oracle: each parameter's shard, by size and values (each parameter holds its own
     constant), as megatron-core's own builders make them."""
-    from megatron_ext.optimizer import align_group_order
+    from megatron_ext.opt_checkpoint import align_group_order
 
     class CudaTyped(torch.nn.Parameter):
         """Answers type() as a CUDA tensor would: megatron-core's builder accepts only
@@ -292,7 +298,7 @@ def test_a_never_stepped_optimizer_can_build_its_state_dict_for_loading():
     (GPU run 38). After create_state_before_loading it returns the step-0 state dict."""
     from megatron.core.optimizer import distrib_optimizer
 
-    from megatron_ext.optimizer import create_state_before_loading
+    from megatron_ext.opt_checkpoint import create_state_before_loading
 
     if distrib_optimizer.HAVE_APEX_OR_TE:
         pytest.skip("TE or Apex is installed: megatron-core reads the step elsewhere")

@@ -17,7 +17,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from buffers.param_norms import gather_union, to_wire
-from megatron_ext.optimizer import _build_state
+from megatron_ext.opt_state import _build_state
 from megatron_ext.param_norms import MegatronParamNorms, global_param_names
 from tests.support.fakes import FakeGroup
 from tests.test_megatron_distopt_ranks import child_for_rank

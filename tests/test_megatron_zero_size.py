@@ -20,7 +20,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_ext.ddp import counted_records
 from megatron_ext.layout import buffer_layout
-from megatron_ext.optimizer import _build_state
+from megatron_ext.opt_state import _build_state
 from megatron_ext.param_norms import MegatronParamNorms
 from tests.support.fakes import FakeGroup
 from tests.test_megatron_distopt_ranks import layout as mirrored_layout

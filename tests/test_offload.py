@@ -735,7 +735,7 @@ def test_sub_optimizer_state_goes_to_its_parameters_device():
     groups). The ``meta`` device stands in for the GPU."""
     import types
 
-    from megatron_ext.optimizer import place_sub_optimizer_state
+    from megatron_ext.opt_checkpoint import place_sub_optimizer_state
 
     gpu_p = torch.nn.Parameter(torch.zeros(3, device="meta"))
     cpu_p = torch.nn.Parameter(torch.zeros(3))

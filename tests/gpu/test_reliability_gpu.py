@@ -174,7 +174,7 @@ def test_checkpoint_round_trip_then_identical_training(tmp_path, fmt, saved_with
     # stock megatron-core's DistributedOptimizer.state_dict() (also called when loading)
     # asserts that the torch Adam state already holds one common "step", which a fresh
     # optimizer lacks; the option creates that state before loading
-    # (megatron_ext.optimizer.create_state_before_loading).
+    # (megatron_ext.opt_checkpoint.create_state_before_loading).
     other, other_opt = build(loaded_with, seed=1)  # different initial values on purpose
     load_and_compare(other, other_opt, tmp_path / "ckpt", fmt, want_params, want_state)
 
