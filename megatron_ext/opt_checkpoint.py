@@ -8,6 +8,8 @@ functions of the optimizer, so a test can call them on a stand-in.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from . import seam
@@ -102,7 +104,7 @@ def align_group_order(child) -> None:
     child.model_param_group_index_map = fixed
 
 
-def sharded_state_dict(self, model_sharded_state_dict, *args, **kwargs):
+def sharded_state_dict(self, *args, **kwargs):
     """megatron-core's, with the ids right when fp32 parameters sit in a group.
 
     megatron-core 0.19.2's ``Float16OptimizerWithFloat16Params.sharded_state_dict``
@@ -115,14 +117,26 @@ def sharded_state_dict(self, model_sharded_state_dict, *args, **kwargs):
     walked in the optimizer's own order.
     """
     base = self._flat_base.sharded_state_dict
-    is_loading = kwargs.get("is_loading", args[0] if args else False)
-    if is_loading and isinstance(self, DistributedOptimizer):
+    # megatron-core's own signature says where is_loading is (and gives
+    # model_sharded_state_dict a default in DistributedOptimizer's)
+    megatron_cls = next(
+        (
+            c
+            for c in (DistributedOptimizer, Float16OptimizerWithFloat16Params)
+            if isinstance(self, c)
+        ),
+        None,
+    )
+    signature = inspect.signature(getattr(megatron_cls, "sharded_state_dict", base))
+    bound = signature.bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    if bound.arguments.get("is_loading", False) and isinstance(self, DistributedOptimizer):
         create_state_before_loading(self)
     if not isinstance(self, Float16OptimizerWithFloat16Params) or not any(
         self.fp32_from_fp32_groups
     ):
-        return base(self, model_sharded_state_dict, *args, **kwargs)
-    return _float16_sharded_state_dict(self, model_sharded_state_dict, *args, **kwargs)
+        return base(self, *args, **kwargs)
+    return _float16_sharded_state_dict(self, *args, **kwargs)
 
 
 def load_state_dict(self, state_dict):

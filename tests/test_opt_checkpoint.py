@@ -213,3 +213,16 @@ def test_align_group_order_refuses_a_map_of_other_parameters():
     child.model_param_group_index_map[torch.nn.Parameter(torch.zeros(1))] = (0, 3)
     with pytest.raises(RuntimeError, match="disagree"):
         align_group_order(child)
+
+
+def test_distributed_sharded_state_dict_without_a_model_state_dict(monkeypatch):
+    # megatron-core's DistributedOptimizer.sharded_state_dict gives model_sharded_state_dict
+    # a default; ours forwards exactly what it was given, and still finds is_loading
+    created = Recorder()
+    monkeypatch.setattr(opt_checkpoint, "create_state_before_loading", created)
+    me = DistributedOptimizer.__new__(DistributedOptimizer)
+    me._flat_base = SimpleNamespace(sharded_state_dict=Recorder("base"))
+    assert opt_checkpoint.sharded_state_dict(me) == "base"
+    assert opt_checkpoint.sharded_state_dict(me, is_loading=True) == "base"
+    assert me._flat_base.sharded_state_dict.calls == [((me,), {}), ((me,), {"is_loading": True})]
+    assert created.calls == [((me,), {})]

@@ -526,14 +526,7 @@ def test_every_overridden_megatron_core_method_is_an_entry_that_resolves_to_it()
 
 # Where our code does not take everything megatron-core's callers may pass (reported; the fix
 # belongs to the file named): entry -> the problem, exactly as the check words it.
-KNOWN_STAND_IN_GAPS = {
-    # optimizer.py: FlatNormOptimizer.sharded_state_dict requires model_sharded_state_dict,
-    # which DistributedOptimizer's gives a default ({}); no caller in megatron-core or
-    # Megatron-LM leaves it out today.
-    "distopt sharded_state_dict": [
-        "'model_sharded_state_dict' now has a default, so callers may leave it out"
-    ],
-}
+KNOWN_STAND_IN_GAPS: dict = {}  # none today: every stand-in takes what its target takes
 
 
 def test_our_overrides_take_what_megatron_core_passes():
