@@ -46,17 +46,17 @@ def check(child, placed) -> None:
         mixed = [
             layout.key.describe()
             for buf, layout, island in buffers
-            if island is not None and buf.grad_dtype != torch.float32
+            if island is not None and buf.grad_dtype != torch.float32 and _reads_buffer(buf, island)
         ]
         if mixed:
             raise UnsupportedCombinationError(
                 "the precision-aware optimizer with transformer-engine's "
                 f"{type(inner).__name__} and fp32 local accumulation "
-                "(param_name_patterns_for_fp32_local_accumulation) on a "
-                f"{mixed[0]} buffer: its parameters' gradients would be fp32 beside the "
-                "buffer's lower-precision ones in one launch, which transformer-engine's "
-                "kernel rejects. Reduce gradients in fp32 (grad_reduce_in_fp32=True), drop "
-                "the patterns, or offload the optimizer (optimizer_cpu_offload=True)"
+                "(param_name_patterns_for_fp32_local_accumulation) for some parameters of a "
+                f"{mixed[0]} buffer: their fp32 gradients would sit beside the buffer's "
+                "lower-precision ones in one launch, which transformer-engine's kernel "
+                "rejects. Reduce gradients in fp32 (grad_reduce_in_fp32=True), match every "
+                "parameter ('all') or none, or offload the optimizer (optimizer_cpu_offload=True)"
             )
 
 

@@ -91,4 +91,6 @@ def test_te_fused_adam_with_fp32_local_accumulation_is_refused():
     check(child(plain, inner=_FusedAdam()), plain)
     fp32 = [placed_buffer(torch.float32, island_params=1)]
     check(child(fp32, inner=_FusedAdam()), fp32)
+    every = [placed_buffer(torch.bfloat16, island_params=3)]  # 'all': one dtype per launch
+    check(child(every, inner=_FusedAdam()), every)
     check(child(placed, inner=_FusedAdam(), pa=False), placed)
