@@ -25,11 +25,13 @@ import torch
 from benchmarks.common import (
     Column,
     base_parser,
+    empty_panel,
     error_fields,
     format_table,
     gib,
     new_figure,
     progress,
+    run_title,
     save_figure,
     single_rank_process_group,
     write_json,
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"nothing measured, nothing written to {args.out}"
         )
     torch.cuda.set_device(0)
+    title = run_title(torch.device("cuda", 0), megatron=True)
+    print(title, file=sys.stderr)
     rows = []
     with single_rank_process_group("tcp://127.0.0.1:29541"):
         from megatron.core import parallel_state
@@ -207,7 +211,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(_measure(args, option, label, overrides, islands))
         parallel_state.destroy_model_parallel()
     write_json(rows, args.out, NAME)
-    _plot(rows, args)
+    _plot(rows, args, title)
     print(
         format_table(
             rows,
@@ -232,9 +236,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def _plot(rows: list[dict], args) -> None:
+def _plot(rows: list[dict], args, title: str) -> None:
     ok = [r for r in rows if "error" not in r]
     fig, (ax,) = new_figure(1, width=9)
+    if not ok:
+        empty_panel(ax, "every configuration failed (see the error column)")
+        save_figure(fig, args.out, NAME, title)
+        return
     labels = [f"{r['config']}\n{r['variant']}{'' if r['fp32_islands'] else ' (bf16)'}" for r in ok]
     bottom = [0.0] * len(ok)
     for key in ("fwd_bwd_ms", "norm_clip_ms", "optimizer_ms"):
@@ -245,7 +253,7 @@ def _plot(rows: list[dict], args) -> None:
     ax.set_title(f"GPTModel {args.layers}x{args.hidden}, one GPU (failed configs omitted)")
     ax.legend()
     ax.tick_params(axis="x", labelsize=7)
-    save_figure(fig, args.out, NAME)
+    save_figure(fig, args.out, NAME, title)
 
 
 if __name__ == "__main__":
