@@ -6,6 +6,9 @@ distributed optimizer. Each configuration is built with our option and with stoc
 megatron-core; a configuration that fails to build or step is reported with its error.
 Per step: forward+backward, norm+clip, optimizer (copy to main grads + inner step + param
 gather), each timed with the device drained before and after; and peak allocated memory.
+Rounds are interleaved (``--rounds``): every configuration is built and stepped once per
+round, in turn; each phase reports its fastest round's median, ``step_spread`` how far the
+rounds' step times are apart, and a line warns when that exceeds 20%.
 
 CUDA only: megatron-core's DDP and optimizers allocate on CUDA.
 """
@@ -34,6 +37,8 @@ from benchmarks.common import (
     run_title,
     save_figure,
     single_rank_process_group,
+    spread,
+    spread_warning,
     write_json,
 )
 
@@ -165,6 +170,26 @@ def _measure(args, option: bool, label: str, overrides: dict, fp32_islands: bool
     return row
 
 
+PHASES = ("fwd_bwd_ms", "norm_clip_ms", "optimizer_ms", "step_ms")
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One configuration's row from its rounds: each phase's fastest round, the spread of
+    the step times, the largest peak memory; the last round's norm and losses. A round that
+    failed makes the row that failure (a configuration either runs or it does not)."""
+    failed = next((r for r in rounds if "error" in r), None)
+    if failed is not None:
+        return failed | {"rounds": len(rounds)}
+    row = dict(rounds[-1])
+    for key in PHASES:
+        row[key] = min(r[key] for r in rounds)
+    steps = [r["step_ms"] for r in rounds]
+    row["step_spread"], row["step_rounds_ms"] = spread(steps), steps
+    row["peak_gib"] = max(r["peak_gib"] for r in rounds)
+    row["rounds"] = len(rounds)
+    return row
+
+
 def _norm_and_clip(opt, option: bool):
     if option:
         return opt.clip_grad_norm(opt.config.clip_grad)
@@ -184,6 +209,7 @@ def parse_args(argv: list[str] | None):
         ("--batch", 4, "micro-batch size"),
         ("--steps", 6, "timed training steps per configuration"),
         ("--warmup", 2, "untimed training steps first"),
+        ("--rounds", 2, "interleaved rounds: every configuration built and stepped once each"),
     ):
         ap.add_argument(name, type=int, default=default, help=f"{meaning} (default: %(default)s)")
     return ap.parse_args(argv)
@@ -207,10 +233,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parallel_state.initialize_model_parallel()
         runs = [(opt, label, ov, True) for label, ov in CONFIGS for opt in (True, False)]
         runs.append((False, "pa_offload_0.5", CONFIGS[0][1], False))  # stock, islands in bf16
-        for option, label, overrides, islands in progress(runs, NAME):
-            rows.append(_measure(args, option, label, overrides, islands))
+        per_round: list[list[dict]] = [[] for _ in runs]
+        order = [i for _ in range(max(1, args.rounds)) for i in range(len(runs))]
+        for i in progress(order, NAME):
+            per_round[i].append(_measure(args, *runs[i]))
+        rows = [combine_rounds(r) for r in per_round]
         parallel_state.destroy_model_parallel()
     write_json(rows, args.out, NAME)
+    warning = spread_warning(
+        {f"{r['config']} {r['variant']}": r["step_spread"] for r in rows if "error" not in r},
+        max(1, args.rounds),
+    )
+    if warning:
+        print(warning)
     _plot(rows, args, title)
     print(
         format_table(
@@ -219,13 +254,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 Column("config", "config"),
                 Column("variant", "variant"),
                 Column("fp32 islands", "fp32_islands"),
-                Column("fwd+bwd ms", "fwd_bwd_ms", lambda v: f"{v:.2f}", "median per step"),
-                Column("norm+clip ms", "norm_clip_ms", lambda v: f"{v:.3f}", "median per step"),
+                Column(
+                    "fwd+bwd ms",
+                    "fwd_bwd_ms",
+                    lambda v: f"{v:.2f}",
+                    "median per step, fastest round",
+                ),
+                Column(
+                    "norm+clip ms",
+                    "norm_clip_ms",
+                    lambda v: f"{v:.3f}",
+                    "median per step, fastest round",
+                ),
                 Column(
                     "optimizer ms",
                     "optimizer_ms",
                     lambda v: f"{v:.2f}",
-                    "median per step: copy to main grads, inner step, parameter gather",
+                    "median per step, fastest round: copy to main grads, inner step, parameter "
+                    "gather",
+                ),
+                Column(
+                    "spread",
+                    "step_spread",
+                    lambda v: f"{v:.0%}",
+                    "(slowest - fastest) / fastest round's step time",
                 ),
                 Column("peak GiB", "peak_gib", lambda v: f"{v:.2f}", "peak allocated"),
                 Column("loss first->last", "loss_last", lambda v: f"{v:.4f}"),

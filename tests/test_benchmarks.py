@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -190,6 +191,8 @@ def test_norm_clip_rounds_interleave_the_floor_and_every_row():
         fields = script._timed_fields(results[key])
         assert fields["time_s"] == min(r["time"] for r in results[key])
         assert fields["time_rounds_s"] == [r["time"] for r in results[key]]
+        # host time: the same statistic as the time (on the CPU, the same call)
+        assert fields["host_time_s"] == min(statistics.median(r["host"]) for r in results[key])
         assert 0 < fields["host_time_p10_s"] <= fields["host_time_s"] <= fields["host_time_p90_s"]
         assert (fields["host_time_burst_s"] is not None) == (key[0] == "flat")
 
@@ -472,3 +475,20 @@ def test_offload_verdict_says_when_rounds_disagree():
     assert "target 90%: met)" in line
     warning = script.common.spread_warning(script.spreads([rec]), 3)
     assert "dense_gpt flat device-to-host, 80%" in warning
+
+
+def test_train_step_rows_take_each_phase_from_the_fastest_round():
+    script = load_script("train_step")
+    rounds = [
+        {"config": "distopt", "variant": "ours", "fwd_bwd_ms": 10.0, "norm_clip_ms": 1.0,
+         "optimizer_ms": 5.0, "step_ms": 16.0, "peak_gib": 2.0, "grad_norm": 1.5},
+        {"config": "distopt", "variant": "ours", "fwd_bwd_ms": 9.0, "norm_clip_ms": 2.0,
+         "optimizer_ms": 4.0, "step_ms": 15.0, "peak_gib": 2.5, "grad_norm": 1.25},
+    ]  # fmt: skip
+    row = script.combine_rounds(rounds)
+    assert (row["fwd_bwd_ms"], row["norm_clip_ms"], row["optimizer_ms"]) == (9.0, 1.0, 4.0)
+    assert row["step_ms"] == 15.0 and row["step_rounds_ms"] == [16.0, 15.0]
+    assert row["step_spread"] == pytest.approx(1 / 15) and row["rounds"] == 2
+    assert row["peak_gib"] == 2.5 and row["grad_norm"] == 1.25
+    failed = script.combine_rounds([rounds[0], {"config": "distopt", "error": "E: x"}])
+    assert failed["error"] == "E: x" and "fwd_bwd_ms" not in failed
