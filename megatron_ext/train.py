@@ -358,7 +358,10 @@ def megatron_help() -> str:
     try:
         with warnings.catch_warnings():  # megatron-core's import-time notices
             warnings.simplefilter("ignore")
-            from megatron.training.arguments import add_megatron_arguments
+            seam.check_deferred()
+            add_megatron_arguments = seam.optional("training arguments")
+        if add_megatron_arguments is None:
+            raise ImportError("no megatron.training.arguments.add_megatron_arguments")
     except Exception as e:  # any failure to import it only shortens the help
         return (
             "Megatron-LM's arguments: not listed, megatron.training does not import here "
