@@ -1,4 +1,4 @@
-"""Megatron-LM's training loop with per-dtype gradient buffers: two flags and an entry point.
+"""Megatron-LM's training loop with per-dtype gradient buffers: three flags and an entry point.
 
 Run Megatron-LM's own launch script through this module and add the flags::
 
@@ -12,9 +12,15 @@ Run Megatron-LM's own launch script through this module and add the flags::
   one of these regular expressions (``re.search``) stay fp32 when the rest of the model is
   cast to bf16/fp16. It works with or without the first flag (without it, megatron-core's
   own DDP and optimizer get the fp32 parameters).
+- ``--log-per-layer-grad-norm`` (needs the first): per-layer gradient norms every
+  ``--log-interval``, from the step's own norm pass.
 
-Both flags are added to the script's parser through Megatron's ``extra_args_provider``.
-With neither flag, nothing of megatron-core or ``megatron.training`` is replaced: the run is
+``python -m megatron_ext.train --help`` lists these first, one line each, then Megatron-LM's
+arguments; flags ``--per-dtype-grad-buffers`` does not support are refused in one line
+before the script runs (:func:`refuse_unsupported`).
+
+The flags are added to the script's parser through Megatron's ``extra_args_provider``.
+With none of them, nothing of megatron-core or ``megatron.training`` is replaced: the run is
 stock. The one exception, flags or not: megatron-core's wheel ships the compiled dataset
 helpers but not their Makefile, and ``megatron.training`` runs ``make`` on rank 0 at
 start-up and exits when it fails; the entry point skips that build when the Makefile is
