@@ -20,9 +20,15 @@ device time (CUDA events) on CUDA, ``perf_counter`` on the CPU. Timed calls use
 early exit (a clip that converged to a coefficient of 1 would time a no-op). Agreement of
 folded and explicit is checked separately, with a positive max_norm.
 
-Record fields: inventory, variant, device, num_params, bytes, max_norm, time_s, time_kind,
-clip_cost_s, norm_floor_s, clip_per_floor, grad_rel_err (on ``folded`` only: its clipped
-gradients against the explicit clip's, relative to their largest value), error, error_at.
+Rounds are interleaved: in each of ``--rounds`` rounds the floor's copy and every row are
+timed in turn; a row's time is its fastest round's median, the floor comes from the fastest
+copy, and a line warns when a measurement's rounds spread more than 20%.
+
+Record fields: inventory, variant, device, num_params, bytes, max_norm, rounds, time_s (the
+fastest round's median), time_spread ((slowest - fastest) / fastest round), time_rounds_s,
+time_kind, clip_cost_s, norm_floor_s, norm_floor_spread (the copy's spread), clip_per_floor,
+grad_rel_err (on ``folded`` only: its clipped gradients against the explicit clip's,
+relative to their largest value), error, error_at.
 """
 
 from __future__ import annotations
@@ -38,10 +44,11 @@ from benchmarks import common, inventories  # noqa: E402
 from buffers import FlatGradBuffers  # noqa: E402
 
 RECORD_FIELDS = (
-    "inventory", "variant", "device", "num_params", "bytes", "max_norm", "time_s",
-    "time_kind", "clip_cost_s", "norm_floor_s", "clip_per_floor", "grad_rel_err", "error",
-    "error_at",
+    "inventory", "variant", "device", "num_params", "bytes", "max_norm", "rounds", "time_s",
+    "time_spread", "time_rounds_s", "time_kind", "clip_cost_s", "norm_floor_s",
+    "norm_floor_spread", "clip_per_floor", "grad_rel_err", "error", "error_at",
 )  # fmt: skip
+COPY = "copy"  # the floor's measurement key among the variants
 VARIANTS = ("step", "clip", "clip+step", "folded")
 AUTO_BYTES = {"cpu": 8 * 2**20, "cuda": 2 * 2**30}
 TIMED_MAX_NORM = 0.0  # coefficient 0 every call: the scale always runs
@@ -103,12 +110,11 @@ def agreement(inv, device: torch.device) -> float:
 
 def run(args, device: torch.device) -> list[dict]:
     warmup, reps = common.repeats(args, device)
+    rounds = common.rounds(args, device)
+    per = common.per_round(reps, rounds)
     target = args.bytes or AUTO_BYTES[device.type]
     inv = inventories.model_stage("dense_gpt", target)
     print(inventories.describe([inv]), file=sys.stderr)
-    bandwidth = common.copy_bandwidth(inv.nbytes, device, warmup, reps)
-    floor = inv.nbytes / bandwidth
-    records = []
     # One set of parameters, buffers and optimizer for every row, as in training: timing
     # each row on objects built after the previous row's were freed added about 1.7 ms to
     # a 10 ms step on the H200 (a probe, run 25; in the git history), which the earlier
@@ -117,24 +123,42 @@ def run(args, device: torch.device) -> list[dict]:
         shared = build(inv, device)
     except Exception as e:  # noqa: BLE001 - reported on every row
         shared, setup_error = None, common.error_fields(e)
-    for variant in common.progress(list(VARIANTS), "clip_step"):
+    copy = common.CopyFloor(inv.nbytes, device)
+
+    def timed(call):
+        return lambda r: common.device_time(call, device, warmup if r == 0 else 0, per)
+
+    measures = {COPY: timed(lambda: copy.dst.copy_(copy.src))}
+    if shared is not None:
+        _, fgb, opt = shared
+        measures |= {v: timed(call_of(v, fgb, opt)) for v in VARIANTS}
+    bar = common.progress(range(rounds), "clip_step rounds")
+    results, errors = common.interleave(measures, len(bar))
+    copies = results[COPY]
+    floor = inv.nbytes / copy.bandwidth(min(copies))
+    records = []
+    for variant in VARIANTS:
         rec = {
             "inventory": inv.name, "variant": variant, "device": device.type,
             "num_params": len(inv.entries), "bytes": inv.nbytes, "max_norm": TIMED_MAX_NORM,
+            "rounds": rounds,
             "time_kind": "cuda_events" if device.type == "cuda" else "perf_counter",
-            "norm_floor_s": floor, "time_s": None, "clip_cost_s": None,
+            "norm_floor_s": floor, "norm_floor_spread": common.spread(copies), "time_s": None,
+            "time_spread": None, "time_rounds_s": None, "clip_cost_s": None,
             "clip_per_floor": None, "grad_rel_err": None, "error": None, "error_at": None,
         }  # fmt: skip
         if shared is None:
             records.append(rec | setup_error)
             continue
-        try:
-            _, fgb, opt = shared
-            rec["time_s"] = common.device_time(call_of(variant, fgb, opt), device, warmup, reps)
+        if variant in errors:
+            rec |= common.error_fields(errors[variant])
+        else:
+            rec |= common.round_fields("time", results[variant])
             if variant == "folded":
-                rec["grad_rel_err"] = agreement(inv, device)
-        except Exception as e:  # noqa: BLE001 - a failing row is reported, not fatal
-            rec |= common.error_fields(e)
+                try:
+                    rec["grad_rel_err"] = agreement(inv, device)
+                except Exception as e:  # noqa: BLE001 - a failing row is reported, not fatal
+                    rec |= common.error_fields(e)
         records.append(rec)
     base = records[0]["time_s"]
     for rec in records[1:]:
@@ -145,11 +169,25 @@ def run(args, device: torch.device) -> list[dict]:
     return records
 
 
+def spreads(records: list[dict]) -> dict[str, float]:
+    """Every measurement's spread over its rounds: each row's time and the floor's copy."""
+    out = {r["variant"]: r["time_spread"] for r in records if r["time_spread"] is not None}
+    if records:
+        out["copy (floor)"] = records[0]["norm_floor_spread"]
+    return out
+
+
 TABLE = (
     common.Column("inventory", "inventory"),
     common.Column("variant", "variant"),
     common.Column("MiB", "bytes", common.show_mib),
-    common.Column("time ms", "time_s", common.show_ms, "median per call"),
+    common.Column("time ms", "time_s", common.show_ms, "median per call, fastest round"),
+    common.Column(
+        "spread",
+        "time_spread",
+        lambda v: f"{v:.0%}",
+        "(slowest - fastest) / fastest of the row's interleaved rounds",
+    ),
     common.Column(
         "clip cost ms",
         "clip_cost_s",
@@ -160,7 +198,7 @@ TABLE = (
         "norm floor ms",
         "norm_floor_s",
         common.show_ms,
-        "bytes / copy bandwidth measured in this run: reading the gradients once",
+        "bytes / copy bandwidth measured in this run (fastest round): reading the gradients once",
     ),
     common.Column("clip / floor", "clip_per_floor", lambda v: f"{v:.2f}", "clip cost / floor"),
     common.Column(
@@ -173,25 +211,32 @@ TABLE = (
 )
 
 
-def plot(records: list[dict], out: Path) -> Path:
+def plot(records: list[dict], out: Path, title: str) -> Path:
     fig, (ax,) = common.new_figure(1)
     rows = [r for r in records if r["time_s"] is not None]
+    if not rows:
+        common.empty_panel(ax, "no row was measured (see the error column)")
+        return common.save_figure(fig, out, "clip_step", title)
     ax.bar([r["variant"] for r in rows], [r["time_s"] * 1e3 for r in rows])
-    if rows:
-        ax.axhline(rows[0]["norm_floor_s"] * 1e3, color="gray", ls="--", label="norm floor")
-        ax.legend()
-    ax.set_ylabel("ms per step")
+    ax.axhline(rows[0]["norm_floor_s"] * 1e3, color="gray", ls="--", label="norm floor")
+    ax.legend()
+    ax.set_ylabel("ms per step (fastest round)")
     ax.set_title("fused AdamW step: explicit clip vs folded clip")
-    return common.save_figure(fig, out, "clip_step")
+    return common.save_figure(fig, out, "clip_step", title)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = common.resolve_device(args.device)
+    title = common.run_title(device)
+    print(title, file=sys.stderr)
     records = run(args, device)
     json_path = common.write_json(records, args.out, "clip_step")
-    png_path = plot(records, args.out)
+    png_path = plot(records, args.out, title)
     print(f"wrote {json_path} and {png_path}", file=sys.stderr)
+    warning = common.spread_warning(spreads(records), common.rounds(args, device))
+    if warning:
+        print(warning)
     print(common.format_table(records, TABLE))
     return records
 

@@ -1,10 +1,17 @@
 """What every benchmark script shares: options, timing, ceilings, progress and writers.
 
 Timing: on CUDA, CUDA events around each call after a warm-up, median of many; on the CPU,
-``time.perf_counter`` the same way. Host time is measured separately: the wall time of
-issuing one call without synchronizing (the device is drained before each one). The copy
-bandwidth ceiling counts read + write bytes, so a pass that reads N bytes once has the floor
-``N / bandwidth`` and a read-modify-write pass ``2 N / bandwidth``.
+``time.perf_counter`` the same way. Repeats are interleaved (:func:`interleave`): every
+variant of a comparison, and the copy its floor comes from, is timed once per round, in
+turn, so a moment when the machine is slow lands on all of them instead of on one row; each
+reports its fastest round, ratios are taken against the same run's fastest copy, and a
+spread of more than :data:`SPREAD_WARNING` between rounds is reported
+(:func:`spread_warning`).
+
+Host time is measured separately: the wall time of issuing one call without synchronizing
+(the device is drained before each one). The copy bandwidth ceiling counts read + write
+bytes, so a pass that reads N bytes once has the floor ``N / bandwidth`` and a
+read-modify-write pass ``2 N / bandwidth``.
 
 Output folder: ``--out DIR`` when given, else ``$OUT`` when set, else ``bench-out`` (relative
 to the current directory). Importing this module also hides megatron-core's import-time
@@ -31,8 +38,13 @@ from typing import Any
 
 import torch
 
-# Warm-up calls and timed calls per measurement, by device type, unless --warmup/--reps say.
+# Warm-up calls and timed calls per measurement (spread over its rounds), by device type,
+# unless --warmup/--reps say.
 DEFAULT_REPEATS = {"cpu": (1, 5), "cuda": (5, 50)}
+# Interleaved rounds per measurement unless --rounds says; more on the (shared, noisy) CPU.
+DEFAULT_ROUNDS = {"cpu": 5, "cuda": 5}
+# Rounds of one measurement further apart than this ((slowest - fastest) / fastest): warn.
+SPREAD_WARNING = 0.20
 # Slow calls (e.g. a per-parameter loop over 10,000 parameters) get fewer timed calls, so one
 # measurement takes about this long, but never fewer than MIN_REPS.
 BUDGET_S = 3.0
@@ -103,8 +115,17 @@ def base_parser(description: str, timed: bool = True) -> argparse.ArgumentParser
             "--reps",
             type=int,
             default=None,
-            help=f"timed calls, median reported (default: {cpu[1]} on the CPU, {cuda[1]} on "
-            "CUDA; fewer when one call takes long)",
+            help=f"timed calls per measurement, spread over its rounds (default: {cpu[1]} on "
+            f"the CPU, {cuda[1]} on CUDA; fewer when one call takes long)",
+        )
+        ap.add_argument(
+            "--rounds",
+            type=int,
+            default=None,
+            help="interleaved rounds: every variant and the floor's copy timed once per round, "
+            "in turn; each reports its fastest round's median, and a spread over "
+            f"{SPREAD_WARNING * 100:.0f}%% between rounds is warned about (default: "
+            f"{DEFAULT_ROUNDS['cpu']} on the CPU, {DEFAULT_ROUNDS['cuda']} on CUDA)",
         )
     return ap
 
@@ -142,6 +163,80 @@ def repeats(args: argparse.Namespace, device: torch.device) -> tuple[int, int]:
     return (
         warmup if args.warmup is None else args.warmup,
         reps if args.reps is None else max(1, args.reps),
+    )
+
+
+def rounds(args: argparse.Namespace, device: torch.device) -> int:
+    """Interleaved rounds: ``--rounds``, else the device type's default; at least 1."""
+    given = getattr(args, "rounds", None)
+    return max(1, DEFAULT_ROUNDS[device.type] if given is None else given)
+
+
+def per_round(reps: int, rounds: int) -> int:
+    """Timed calls in each of ``rounds`` rounds for ``reps`` in all (at least one)."""
+    return max(1, -(-reps // rounds))
+
+
+def interleave(measures: dict[Any, Callable[[int], Any]], rounds: int):
+    """Call every measure once per round, in turn: a slow moment lands on all of them.
+
+    Args:
+        measures: key -> measure; a measure gets the round's index (0 first: warm up there)
+            and returns what it measured.
+        rounds: how many rounds.
+
+    Returns:
+        ``(results, errors)``: key -> one result per round, for the measures that never
+        raised; key -> the exception, for those that did (not called again after it).
+    """
+    results: dict[Any, list] = {key: [] for key in measures}
+    errors: dict[Any, BaseException] = {}
+    for r in range(rounds):
+        for key, measure in measures.items():
+            if key in errors:
+                continue
+            try:
+                results[key].append(measure(r))
+            except Exception as exc:  # one failing row must not stop the others
+                errors[key] = exc
+    return {k: v for k, v in results.items() if k not in errors}, errors
+
+
+def round_fields(prefix: str, per_round_s: Sequence[float]) -> dict[str, Any]:
+    """``{prefix}_s``: the fastest round; ``{prefix}_spread``: (slowest - fastest) / fastest;
+    ``{prefix}_rounds_s``: every round's value, in order."""
+    return {
+        f"{prefix}_s": min(per_round_s),
+        f"{prefix}_spread": spread(per_round_s),
+        f"{prefix}_rounds_s": list(per_round_s),
+    }
+
+
+def spread(values: Sequence[float]) -> float:
+    """(largest - smallest) / smallest: how far apart repeats of one measurement are."""
+    low = min(values)
+    return (max(values) - low) / low if low > 0 else 0.0
+
+
+def spread_warning(spreads: dict[str, float], rounds: int) -> str | None:
+    """One line when any measurement's rounds spread more than :data:`SPREAD_WARNING`.
+
+    Args:
+        spreads: measurement label -> its spread (:func:`spread`).
+        rounds: rounds per measurement (said in the line).
+
+    Returns:
+        ``"warning: ..."`` naming how many and the worst, or None when all are within.
+    """
+    over = {k: v for k, v in spreads.items() if v > SPREAD_WARNING}
+    if not over:
+        return None
+    worst = max(over, key=over.get)
+    return (
+        f"warning: {len(over)} of {len(spreads)} measurements spread more than "
+        f"{SPREAD_WARNING:.0%} over their {rounds} interleaved rounds (worst: {worst}, "
+        f"{over[worst]:.0%}): the machine was busy or the timing is noisy; each reports its "
+        "fastest round"
     )
 
 
@@ -327,6 +422,27 @@ def count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+class CopyFloor:
+    """The copy a floor is measured with: ``nbytes`` read and written per call.
+
+    Time it inside :func:`interleave` with :meth:`measure`; :meth:`bandwidth` turns its
+    fastest round into bytes per second (read + write counted).
+    """
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.src = torch.ones(max(nbytes, 1), dtype=torch.uint8, device=device)
+        self.dst = self.src.clone()  # written once: no first-touch page faults in a round
+        self.device = device
+
+    def measure(self, warmup: int, reps: int) -> float:
+        """Median seconds of one copy."""
+        return device_time(lambda: self.dst.copy_(self.src), self.device, warmup, reps)
+
+    def bandwidth(self, seconds: float) -> float:
+        """``2 * nbytes / seconds``."""
+        return 2 * self.src.numel() / seconds
+
+
 def copy_bandwidth(nbytes: int, device: torch.device, warmup: int, reps: int) -> float:
     """Bytes moved per second by ``dst.copy_(src)`` of ``nbytes`` (read + write counted).
 
@@ -462,8 +578,51 @@ def new_figure(ncols: int, width: float = 6.0, height: float = 4.5):
     return fig, list(axes[0])
 
 
-def save_figure(fig, out_dir: Path, name: str) -> Path:
-    """Save ``fig`` to ``out_dir/name.png`` and close it.
+def empty_panel(ax, why: str) -> None:
+    """A panel that says why it has nothing to show (only when a figure has nothing else)."""
+    ax.text(0.5, 0.5, why, ha="center", va="center", wrap=True)
+    ax.set_axis_off()
+
+
+def cpu_name() -> str:
+    """The host CPU's model name (``/proc/cpuinfo``, else ``platform``) and logical CPUs."""
+    import platform
+
+    name = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    name = name or platform.processor() or platform.machine() or "unknown CPU"
+    return f"{name}, {os.cpu_count()} CPUs"
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core's version, or ``"not installed"``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def run_title(device: torch.device, megatron: bool = False) -> str:
+    """Where and with what a run measured: device (GPU name, and the host CPU), torch and,
+    where the script uses it, megatron-core. Every PNG's title; printed by every script."""
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)}, host {cpu_name()}"
+    else:
+        where = f"CPU: {cpu_name()}"
+    parts = [where, f"torch {torch.__version__}"]
+    if megatron:
+        parts.append(f"megatron-core {megatron_core_version()}")
+    return " | ".join(parts)
+
+
+def save_figure(fig, out_dir: Path, name: str, title: str) -> Path:
+    """Title ``fig`` (:func:`run_title`), save it to ``out_dir/name.png`` and close it.
 
     Returns:
         The path written.
@@ -472,8 +631,9 @@ def save_figure(fig, out_dir: Path, name: str) -> Path:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.png"
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Title": title})
     plt.close(fig)
     return path
 

@@ -164,9 +164,12 @@ def parse_args(argv: list[str] | None):
     return ap.parse_args(argv)
 
 
-def plot(records: list[dict], out_dir: Path) -> Path:
-    """Bars: GiB per rank for ours/stock/fp32 per model, and measured peaks when present."""
-    fig, (ax_layout, ax_measured) = common.new_figure(2)
+def plot(records: list[dict], out_dir: Path, title: str) -> Path:
+    """Bars: GiB per rank for ours/stock/fp32 per model and, in a second panel when this run
+    measured them (CUDA only), peak allocated memory; no panel without data."""
+    measured = [r for r in records if r["kind"] == "measured" and r["peak_allocated_gib"]]
+    fig, axes = common.new_figure(2 if measured else 1)
+    ax_layout = axes[0]
     layout = [r for r in records if r["kind"] == "layout"]
     columns = (("ours", "ours_gib"), ("stock", "stock_gib"), ("grad_reduce_in_fp32", "fp32_gib"))
     for j, (label, key) in enumerate(columns):
@@ -176,17 +179,16 @@ def plot(records: list[dict], out_dir: Path) -> Path:
     ax_layout.set_ylabel("gradient buffers per rank (GiB)")
     ax_layout.set_title("layout: one pipeline stage on one rank")
     ax_layout.legend(fontsize=8)
-    measured = [r for r in records if r["kind"] == "measured" and r["peak_allocated_gib"]]
     if measured:
+        ax_measured = axes[1]
         ax_measured.bar(
             [r["config"] for r in measured], [r["peak_allocated_gib"] for r in measured]
         )
         ax_measured.set_ylabel("peak allocated (GiB)")
         ax_measured.set_title("measured: megatron-core DDP + distributed optimizer")
-    else:
-        ax_measured.text(0.5, 0.5, "measured peak memory: not run", ha="center", va="center")
-        ax_measured.set_axis_off()
-    return common.save_figure(fig, out_dir, "memory")
+    else:  # said in the figure, instead of a blank panel
+        ax_layout.set_xlabel("(measured peak memory: CUDA only, not run here)")
+    return common.save_figure(fig, out_dir, "memory", title)
 
 
 def _gib(v: float) -> str:
@@ -230,6 +232,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """Compute the layout rows, measure on CUDA, write JSON and PNG, print the tables."""
     args = parse_args(argv)
     device = common.resolve_device(args.device)
+    title = common.run_title(device, megatron=True)
+    print(title, file=sys.stderr)
     records = [
         layout_record(s, args.dp, args.bucket_size)
         for s in common.progress(settings(), "memory layouts")
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             file=sys.stderr,
         )
     json_path = common.write_json(records, args.out, "memory")
-    png_path = plot(records, args.out)
+    png_path = plot(records, args.out, title)
     print(f"wrote {json_path} and {png_path}", file=sys.stderr)
     print(common.format_table([r for r in records if r["kind"] == "layout"], LAYOUT_TABLE))
     measured = [r for r in records if r["kind"] == "measured"]

@@ -19,18 +19,26 @@ Floors, from the copy bandwidth measured in the same run (read + write bytes per
 byte for the norm, then reads and writes it to scale (``3 * bytes / bandwidth``), so its
 scale alone is at the floor when ``clip`` is at its floor.
 
+Timing is interleaved: every variant of one inventory is built first; then, in each of
+``--rounds`` rounds, the floor's copy and every (variant, op) are timed in turn (device time,
+then host time), so a slow moment of the machine lands on all rows alike. A row's time is its
+fastest round's median and its floor comes from the fastest copy of the same run; a line
+warns when a measurement's rounds spread more than 20%.
+
 Writes DIR/norm_clip.json, one record per (inventory, variant, op), fields:
 ``inventory, series ("model" | "scaling"), variant, path, op, device, num_params, bytes,
-max_norm, time_s, time_kind ("cuda_events" | "perf_counter"), host_time_s (median host
-seconds to issue one call, the device drained before each, sampled in 5 rounds that
-interleave a variant's ops), host_time_p10_s, host_time_p90_s, host_time_burst_s (``flat``
-rows only: median over 15 bursts, 3 per round, of the mean host seconds per call when 20
-calls are issued back to back), bandwidth_Bps,
-floor_s, ratio (time_s / floor_s), host_syncs (null on the CPU), norm, norm_ref (fp64),
-rel_err, per_param_rel_err (``per_param`` rows: the largest relative error of one
-parameter's norm against its fp64 norm), note, error, error_at, host_profile (with
-``--host-profile N``: the functions with the most own host time per call over N profiled
-calls, also printed)``; and DIR/norm_clip.png.
+max_norm, rounds, time_s (the fastest round's median), time_spread ((slowest - fastest) /
+fastest round), time_rounds_s (every round's median), time_kind ("cuda_events" |
+"perf_counter"), host_time_s (host seconds to issue one call, the device drained before
+each: the fastest round's median, as time_s), host_time_p10_s, host_time_p90_s (over every
+round's calls),
+host_time_burst_s (``flat`` rows only: median over 3 bursts per round of the mean host
+seconds per call when 20 calls are issued back to back), bandwidth_Bps (from the fastest
+copy round), floor_s, floor_spread (the copy's spread over its rounds), ratio (time_s /
+floor_s), host_syncs (null on the CPU), norm, norm_ref (fp64), rel_err, per_param_rel_err
+(``per_param`` rows: the largest relative error of one parameter's norm against its fp64
+norm), note, error, error_at, host_profile (with ``--host-profile N``: the functions with the
+most own host time per call over N profiled calls, also printed)``; and DIR/norm_clip.png.
 """
 
 from __future__ import annotations
@@ -61,13 +69,13 @@ OPS: dict[str, tuple[float | None, int]] = {
     "clip_noop": (1e30, 1),
     "per_param": (None, 1),
 }
-HOST_ROUNDS = 5  # host times are sampled in this many interleaved rounds (measure_host)
 BURSTS_PER_ROUND = 3
+COPY = "copy"  # the floor's measurement key among the rows' (variant, op) keys
 RECORD_FIELDS = (
     "inventory", "series", "variant", "path", "op", "device", "num_params", "bytes", "max_norm",
-    "time_s", "time_kind", "host_time_s", "host_time_p10_s", "host_time_p90_s",
-    "host_time_burst_s",
-    "bandwidth_Bps", "floor_s", "ratio", "host_syncs",
+    "rounds", "time_s", "time_spread", "time_rounds_s", "time_kind", "host_time_s",
+    "host_time_p10_s", "host_time_p90_s", "host_time_burst_s",
+    "bandwidth_Bps", "floor_s", "floor_spread", "ratio", "host_syncs",
     "norm", "norm_ref", "rel_err", "per_param_rel_err", "note", "error", "error_at",
     "host_profile",
 )  # fmt: skip
@@ -185,8 +193,8 @@ def reference_norm(grads: list[torch.Tensor]) -> float:
     return float(torch.as_tensor(total).sqrt())
 
 
-def measure(prep: Prepared, op: str, device: torch.device, warmup: int, reps: int) -> dict:
-    """Accuracy first (fresh values), then device time and host syncs of one op."""
+def check(prep: Prepared, op: str, device: torch.device) -> dict:
+    """Accuracy of one call on fresh values."""
     call = _call(prep, op)
     fill_random(prep.grads, device)
     ref = reference_norm(prep.grads)
@@ -204,8 +212,6 @@ def measure(prep: Prepared, op: str, device: torch.device, warmup: int, reps: in
         "norm": norm,
         "norm_ref": ref,
         "rel_err": abs(norm - ref) / ref,
-        "time_s": common.device_time(call, device, warmup, reps),
-        "host_syncs": common.count_host_syncs(call, device),
     }
 
 
@@ -218,98 +224,143 @@ def _call(prep: Prepared, op: str):
     return prep.norm if max_norm is None else (lambda: prep.clip(max_norm))
 
 
-def measure_host(
-    prep: Prepared, ops: list[str], device: torch.device, reps: int, burst: bool
-) -> dict[str, dict]:
-    """Host-time fields per op, sampled in :data:`HOST_ROUNDS` interleaved rounds.
+def time_rounds(
+    preps: dict[str, Prepared],
+    keys: list[tuple[str, str]],
+    floor: common.CopyFloor,
+    device: torch.device,
+    warmup: int,
+    reps: int,
+    rounds: int,
+):
+    """Time the floor's copy and every ``(variant, op)`` in ``rounds`` interleaved rounds.
 
-    Each round times every op (``reps / HOST_ROUNDS`` calls each, device drained before
-    each call), so a moment when the machine is slow (seen on the test machine: one row's
-    median doubling in one round only) is spread over all
-    ops instead of landing on whichever row was measured then. Median and p10/p90 over all
-    rounds' calls. ``burst``: also the host time per call issued back to back (graph replays
-    only), :data:`BURSTS_PER_ROUND` bursts per op per round, median over all of them.
+    In each round, in turn: the copy, then per row its device time (``reps / rounds`` calls,
+    median) and host times (as many calls, the device drained before each; ``flat`` rows
+    also :data:`BURSTS_PER_ROUND` bursts). Warm-up calls in the first round only.
+
+    Returns:
+        :func:`common.interleave`'s ``(results, errors)``, keyed by :data:`COPY` (seconds
+        per round) and by ``(variant, op)`` (per round: ``{"time": s, "host": [s, ...],
+        "burst": [s, ...] or None}``).
     """
-    per_round = max(1, -(-reps // HOST_ROUNDS))
-    times: dict[str, list[float]] = {op: [] for op in ops}
-    bursts: dict[str, list[float]] = {op: [] for op in ops}
-    for _ in range(HOST_ROUNDS):
-        for op in ops:
-            call = _call(prep, op)
-            times[op] += common.host_times(call, device, per_round)
-            if burst:
-                bursts[op] += common.burst_host_times(call, device, bursts=BURSTS_PER_ROUND)
-    return {
-        op: _host_fields(times[op])
-        | {"host_time_burst_s": statistics.median(bursts[op]) if burst else None}
-        for op in ops
-    }
+    per = common.per_round(reps, rounds)
+
+    def timed(call, burst: bool):
+        def measure(r: int) -> dict:
+            return {
+                "time": common.device_time(call, device, warmup if r == 0 else 0, per),
+                "host": common.host_times(call, device, per),
+                "burst": common.burst_host_times(call, device, bursts=BURSTS_PER_ROUND)
+                if burst
+                else None,
+            }
+
+        return measure
+
+    measures = {COPY: lambda r: floor.measure(warmup if r == 0 else 0, per)}
+    for label, op in keys:
+        prep = preps[label]
+        burst = prep.fields.get("variant", label) == "flat"  # ours: a few launches per call
+        measures[(label, op)] = timed(_call(prep, op), burst)
+    return common.interleave(measures, rounds)
 
 
-def _host_fields(times: list[float]) -> dict:
-    """Median host time, and its 10th and 90th percentiles (how noisy the machine was)."""
+def _host_fields(per_round: list[list[float]]) -> dict:
+    """Host time the way device time is reported, the fastest round's median (so on the
+    CPU, where both time the same call, they agree), and the 10th and 90th percentiles over
+    every round's calls (how noisy the machine was)."""
+    times = [t for r in per_round for t in r]
     return {
-        "host_time_s": statistics.median(times),
+        "host_time_s": min(statistics.median(r) for r in per_round),
         "host_time_p10_s": common.percentile(times, 10),
         "host_time_p90_s": common.percentile(times, 90),
     }
 
 
-def run_variant(
-    label: str,
+def _timed_fields(per_round: list[dict]) -> dict:
+    bursts = [b for r in per_round for b in (r["burst"] or ())]
+    return (
+        common.round_fields("time", [r["time"] for r in per_round])
+        | _host_fields([r["host"] for r in per_round])
+        | {"host_time_burst_s": statistics.median(bursts) if bursts else None}
+    )
+
+
+def run_inventory(
     inv: Inventory,
+    labels: list[str],
+    ops: list[str],
     device: torch.device,
-    bandwidth: float,
     warmup: int,
     reps: int,
-    ops: list[str],
+    rounds: int,
     profile_calls: int = 0,
 ) -> list[dict]:
-    """Records of one variant on one inventory, one per op; failures become error records.
-    ``profile_calls``: also cProfile that many calls of each measured op (host_profile)."""
+    """Records of every variant on one inventory, one per op; failures become error records.
+
+    Every variant is built first (so all can be timed in the same rounds), each checked
+    for accuracy, then all timed in interleaved rounds with the floor's copy; host syncs
+    are counted last.
+    ``profile_calls``: also cProfile that many calls of each measured op (host_profile).
+    """
     base = {
         "inventory": inv.name,
         "series": "scaling" if inv.name.startswith("scaling_") else "model",
-        "variant": label,
         "device": device.type,
         "num_params": inv.num_params,
         "bytes": inv.nbytes,
+        "rounds": rounds,
         "time_kind": "cuda_events" if device.type == "cuda" else "perf_counter",
-        "bandwidth_Bps": bandwidth,
     }
-    records = []
-    try:
-        prep = VARIANTS[label](make_params(inv, device), device)
-    except Exception as exc:  # a variant that cannot even be set up still gets its rows
-        prep, setup_error = None, common.error_fields(exc)
-    measured = []
-    for op in ops:
-        max_norm, passes = OPS[op]
-        rec = dict.fromkeys(RECORD_FIELDS) | base | {"op": op, "max_norm": max_norm}
-        rec["floor_s"] = passes * inv.nbytes / bandwidth
-        if prep is None:
-            rec |= setup_error
-        else:
-            rec |= prep.fields
+    preps: dict[str, Prepared] = {}
+    records: dict[tuple[str, str], dict] = {}
+    for label in labels:
+        try:
+            preps[label] = VARIANTS[label](make_params(inv, device), device)
+            fields = preps[label].fields
+        except Exception as exc:  # a variant that cannot even be set up still gets its rows
+            fields = common.error_fields(exc)
+        for op in ops:
+            records[(label, op)] = (
+                dict.fromkeys(RECORD_FIELDS)
+                | base
+                | {"variant": label, "op": op, "max_norm": OPS[op][0]}
+                | fields
+            )
+    checked = []
+    for (label, op), rec in records.items():
+        if label in preps:
             try:
-                rec |= measure(prep, op, device, warmup, reps)
-                rec["ratio"] = rec["time_s"] / rec["floor_s"]
-                measured.append(op)
+                rec |= check(preps[label], op, device)
+                checked.append((label, op))
             except Exception as exc:  # e.g. megatron's clip asserting fp32 gradients
                 rec |= common.error_fields(exc)
-        records.append(rec)
-    if measured:
-        burst = records[0]["variant"] == "flat"  # ours: a few launches per call
-        host = measure_host(prep, measured, device, reps, burst)
-        for rec in records:
-            rec |= host.get(rec["op"], {})
-            if profile_calls and rec["op"] in measured:
+    floor = common.CopyFloor(inv.nbytes, device)
+    results, errors = time_rounds(preps, checked, floor, device, warmup, reps, rounds)
+    copy = results.get(COPY) or [float("nan")]
+    bandwidth = floor.bandwidth(min(copy))
+    for key, rec in records.items():
+        rec["bandwidth_Bps"] = bandwidth
+        rec["floor_s"] = OPS[key[1]][1] * inv.nbytes / bandwidth
+        rec["floor_spread"] = common.spread(copy)
+        if key in errors:
+            rec |= common.error_fields(errors[key])
+        elif key in results:
+            rec |= _timed_fields(results[key])
+            rec["ratio"] = rec["time_s"] / rec["floor_s"]
+            # after the rounds, as in training: a first call or a graph capture syncs
+            try:
+                rec["host_syncs"] = common.count_host_syncs(_call(preps[key[0]], key[1]), device)
+            except Exception as exc:
+                rec |= common.error_fields(exc)
+            if profile_calls:
                 rec["host_profile"] = common.host_profile(
-                    _call(prep, rec["op"]), device, profile_calls
+                    _call(preps[key[0]], key[1]), device, profile_calls
                 )
-                print(f"host profile, {inv.name} {row_label(rec)} {rec['op']}:", file=sys.stderr)
+                print(f"host profile, {inv.name} {row_label(rec)} {key[1]}:", file=sys.stderr)
                 print("\n".join(rec["host_profile"]), file=sys.stderr)
-    return records
+    return list(records.values())
 
 
 def release(device: torch.device) -> None:
@@ -324,14 +375,7 @@ def row_label(rec: dict) -> str:
     return rec["variant"] if rec["path"] is None else f"{rec['variant']}/{rec['path']}"
 
 
-def _empty(ax, what: str) -> None:
-    ax.text(0.5, 0.5, f"{what}: no rows in this run", ha="center", va="center")
-    ax.set_axis_off()
-
-
 def _ratio_bars(ax, records: list[dict], op: str) -> None:
-    if not any(r["ratio"] for r in records):
-        return _empty(ax, op)
     invs = list(dict.fromkeys(r["inventory"] for r in records))
     labels = list(dict.fromkeys(row_label(r) for r in records))
     width = 0.8 / max(1, len(labels))
@@ -343,14 +387,12 @@ def _ratio_bars(ax, records: list[dict], op: str) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(invs))], invs)
     ax.set_yscale("log")
-    ax.set_ylabel("time / floor")
+    ax.set_ylabel("time / floor (fastest round of each)")
     ax.set_title(f"{op}: time over the memory floor (missing bar: error)")
     ax.legend(fontsize=8)
 
 
 def _host_lines(ax, records: list[dict]) -> None:
-    if not any(r["host_time_s"] for r in records if r["op"] in ("norm", "clip")):
-        return _empty(ax, "scaling series")
     for j, label in enumerate(dict.fromkeys(row_label(r) for r in records)):
         for op, style in (("norm", "-"), ("clip", "--")):
             pts = sorted(
@@ -369,14 +411,30 @@ def _host_lines(ax, records: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
-def plot(records: list[dict], out_dir: Path) -> Path:
-    """Ratio-to-floor bars for norm and clip, and host time against parameter count."""
-    fig, (ax_norm, ax_clip, ax_host) = common.new_figure(3)
+def panels(records: list[dict]) -> list[tuple]:
+    """The plot's panels that have something to show: ``(draw, records, *args)`` each."""
     model = [r for r in records if r["series"] == "model"]
-    for ax, op in ((ax_norm, "norm"), (ax_clip, "clip")):
-        _ratio_bars(ax, [r for r in model if r["op"] == op], op)
-    _host_lines(ax_host, [r for r in records if r["series"] == "scaling"])
-    return common.save_figure(fig, out_dir, "norm_clip")
+    out = []
+    for op in ("norm", "clip"):
+        rows = [r for r in model if r["op"] == op]
+        if any(r["ratio"] for r in rows):
+            out.append((_ratio_bars, rows, op))
+    scaling = [r for r in records if r["series"] == "scaling" and r["op"] in ("norm", "clip")]
+    if any(r["host_time_s"] for r in scaling):
+        out.append((_host_lines, scaling))
+    return out
+
+
+def plot(records: list[dict], out_dir: Path, title: str) -> Path:
+    """Ratio-to-floor bars for norm and clip, and host time against parameter count: the
+    panels this run has rows for (no empty panel; nothing at all: one that says so)."""
+    shown = panels(records)
+    fig, axes = common.new_figure(max(1, len(shown)))
+    for ax, (draw, *args) in zip(axes, shown, strict=False):
+        draw(ax, *args)
+    if not shown:
+        common.empty_panel(axes[0], "no norm or clip row was measured (see the error column)")
+    return common.save_figure(fig, out_dir, "norm_clip", title)
 
 
 TABLE = (
@@ -399,15 +457,24 @@ TABLE = (
         "time ms",
         "time_s",
         common.show_ms,
-        "median per call: CUDA events on CUDA, wall time on the CPU",
+        "median per call in the row's fastest round: CUDA events on CUDA, wall time on the CPU",
+    ),
+    common.Column(
+        "spread",
+        "time_spread",
+        lambda v: f"{v:.0%}",
+        "(slowest - fastest) / fastest of the row's interleaved rounds",
     ),
     common.Column(
         "host us",
         "host_time_s",
         lambda v: f"{v * 1e6:.0f}",
-        "median host time to issue one call, the device drained before it",
+        "host time to issue one call, the device drained before it: median in the fastest "
+        "round (on the CPU the same call as time ms, so the two agree up to noise)",
     ),
-    common.Column("p10-p90 us", "host_range", meaning="10th to 90th percentile of host us"),
+    common.Column(
+        "p10-p90 us", "host_range", meaning="10th to 90th percentile of host us, all rounds"
+    ),
     common.Column(
         "burst us",
         "host_time_burst_s",
@@ -418,9 +485,9 @@ TABLE = (
         "floor ms",
         "floor_s",
         common.show_ms,
-        "memory floor from the copy bandwidth measured in this run: bytes / bandwidth for "
-        "norm and clip_noop, 3 x bytes / bandwidth for clip (read for the norm, read + write "
-        "to scale)",
+        "memory floor from the copy bandwidth measured in this run (its fastest round, "
+        "interleaved with the rows): bytes / bandwidth for norm and clip_noop, 3 x bytes / "
+        "bandwidth for clip (read for the norm, read + write to scale)",
     ),
     common.Column("ratio", "ratio", lambda v: f"{v:.2f}", "time ms / floor ms"),
     common.Column("syncs", "host_syncs", meaning="host waits for the GPU in one call (CUDA only)"),
@@ -444,21 +511,28 @@ TABLE = (
 def run(args, device: torch.device) -> list[dict]:
     """Every selected variant and op on every inventory, with its floor from this run."""
     warmup, reps = common.repeats(args, device)
+    rounds = common.rounds(args, device)
     invs = build_inventories(args, device)
     print(inventories.describe(invs), file=sys.stderr)
     labels, ops = _split(args.variants), _split(args.ops)
-    bandwidth: dict[int, float] = {}
     records: list[dict] = []
-    bar = common.progress([(inv, label) for inv in invs for label in labels], "norm_clip")
-    for inv, label in bar:
-        bar.set_postfix_str(f"{inv.name} {label}")
-        if inv.nbytes not in bandwidth:
-            bandwidth[inv.nbytes] = common.copy_bandwidth(inv.nbytes, device, warmup, reps)
-        records += run_variant(
-            label, inv, device, bandwidth[inv.nbytes], warmup, reps, ops, args.host_profile
-        )
+    bar = common.progress(invs, "norm_clip")
+    for inv in bar:
+        bar.set_postfix_str(inv.name)
+        records += run_inventory(inv, labels, ops, device, warmup, reps, rounds, args.host_profile)
         release(device)
     return records
+
+
+def spreads(records: list[dict]) -> dict[str, float]:
+    """Every measurement's spread over its rounds: each row's time, each inventory's copy."""
+    out = {}
+    for r in records:
+        if r["time_spread"] is not None:
+            out[f"{r['inventory']} {row_label(r)} {r['op']}"] = r["time_spread"]
+        if r["floor_spread"] is not None:
+            out[f"{r['inventory']} copy (floor)"] = r["floor_spread"]
+    return out
 
 
 def _table_fields(rec: dict) -> dict:
@@ -473,6 +547,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """Run the benchmark, write JSON and PNG, print the table; returns the records."""
     args = parse_args(argv)
     device = common.resolve_device(args.device)
+    title = common.run_title(device, megatron=True)
+    print(title, file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         # megatron's norm all-reduces over the default group: give it a one-rank one.
         group = (
@@ -483,8 +559,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with group:
             records = run(args, device)
     json_path = common.write_json(records, args.out, "norm_clip")
-    png_path = plot(records, args.out)
+    png_path = plot(records, args.out, title)
     print(f"wrote {json_path} and {png_path}", file=sys.stderr)
+    warning = common.spread_warning(spreads(records), common.rounds(args, device))
+    if warning:
+        print(warning)
     print(common.format_table([r | _table_fields(r) for r in records], TABLE))
     return records
 

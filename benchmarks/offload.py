@@ -30,8 +30,18 @@ variant's bytes, measured in the same run); host conversion; the CPU optimizer s
 time. On the CPU there is no device and no pinned memory: host-to-host copies stand in for
 both directions and the ceiling is a host memcpy; the output says so.
 
-Writes DIR/offload.json (one record per inventory and variant, fields :data:`RECORD_FIELDS`)
-and DIR/offload.png.
+Rounds are interleaved: both variants of one inventory are built first; then in each of
+``--rounds`` rounds the pinned ceiling copies and every part of each variant are timed in
+turn. Each time is its fastest round's median, the ceiling its fastest round, and the
+verdict (flat device-to-host copies at >= 90% of the ceiling) comes from those, with every
+round's ratio (the ceiling of the same round) and their spread beside it; a line warns when
+a measurement's rounds spread more than 20%.
+
+Writes DIR/offload.json (one record per inventory and variant, fields :data:`RECORD_FIELDS`:
+``d2h_s``, ``h2d_s``, ``convert_s``, ``cpu_step_s``, ``pack_s`` the fastest round's;
+``d2h_spread`` and ``d2h_rounds_s`` the device-to-host time's spread and rounds;
+``ceiling_spread`` the ceiling copy's; ``ceiling_ratio_rounds`` each round's ratio to that
+round's ceiling) and DIR/offload.png.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ RECORD_FIELDS = (
     "offloaded_params", "owned_bytes", "d2h_copies", "d2h_bytes", "d2h_s", "d2h_Bps",
     "ceiling_Bps", "ceiling_ratio", "convert_s", "cpu_step_s", "pack_s", "h2d_copies",
     "h2d_bytes", "h2d_s", "h2d_Bps", "h2d_ceiling_Bps", "pinned_bytes", "host_bytes",
+    "rounds", "d2h_spread", "d2h_rounds_s", "ceiling_spread", "ceiling_ratio_rounds",
     "error", "error_at",
 )  # fmt: skip
 AUTO_BYTES = {"cpu": 4 * 2**20, "cuda": 2**30}
@@ -240,24 +251,63 @@ class Flat:
             block.start_h2d()
 
 
-def pinned_ceiling(nbytes: int, device: torch.device, warmup: int, reps: int) -> tuple:
-    """Bytes per second of one pinned copy of ``nbytes``: (device-to-host, host-to-device).
+class PinnedCeiling:
+    """One pinned copy of ``nbytes`` each way, timed per round: the ceiling of the copies.
 
     On the CPU: an ordinary host memcpy, both ways (the stand-in).
     """
-    pin = device.type == "cuda"
-    dev = torch.ones(max(nbytes, 1), dtype=torch.uint8, device=device)
-    host = torch.empty(dev.numel(), dtype=torch.uint8, pin_memory=pin)
-    d2h = common.device_time(lambda: host.copy_(dev, non_blocking=True), device, warmup, reps)
-    h2d = common.device_time(lambda: dev.copy_(host, non_blocking=True), device, warmup, reps)
-    return dev.numel() / d2h, dev.numel() / h2d
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.dev = torch.ones(max(nbytes, 1), dtype=torch.uint8, device=device)
+        self.host = torch.ones(self.dev.numel(), dtype=torch.uint8, pin_memory=pin)
+        self.device = device
+
+    def measure(self, warmup: int, reps: int) -> dict:
+        """Median seconds of one copy: ``{"d2h": s, "h2d": s}``."""
+        dev, host = self.dev, self.host
+        return {
+            "d2h": common.device_time(
+                lambda: host.copy_(dev, non_blocking=True), self.device, warmup, reps
+            ),
+            "h2d": common.device_time(
+                lambda: dev.copy_(host, non_blocking=True), self.device, warmup, reps
+            ),
+        }
 
 
-def measure(variant, buffers, device, warmup: int, reps: int) -> dict:
-    """Copy and step times of one variant over one inventory's shard."""
+PARTS = ("d2h", "h2d", "cpu_step", "convert", "pack")  # timed per round, in this order
+
+
+def build_variant(variant: str, buffers: list[ShardBuffer], device: torch.device):
+    """The variant's copies over the shard, and torch's fused CPU AdamW over its parameters."""
     pin = device.type == "cuda"
     v = (PerParam if variant == "per_param" else Flat)(buffers, pin)
-    opt = torch.optim.AdamW(v.cpu_params, lr=1e-4, weight_decay=0.01, fused=True)
+    return v, torch.optim.AdamW(v.cpu_params, lr=1e-4, weight_decay=0.01, fused=True)
+
+
+def variant_measure(v, opt, device: torch.device, warmup: int, per: int, rounds: int):
+    """One round of a variant: device-to-host and host-to-device copies (device time), the
+    CPU step, conversion and pack (host time); ``{part: seconds or None}``."""
+    step_reps = max(1, CPU_STEP_REPS // rounds)
+    pass_reps = max(1, HOST_PASS_REPS // rounds)
+
+    def measure(r: int) -> dict:
+        w = warmup if r == 0 else 0
+        out = {
+            "d2h": common.device_time(v.start_d2h, device, w, per),
+            "h2d": common.device_time(v.start_h2d, device, w, per),
+            "cpu_step": common.host_time(opt.step, device, step_reps),
+        }
+        for key, fn in (("convert", v.convert), ("pack", v.pack)):
+            out[key] = None if fn is None else common.host_time(fn, device, pass_reps)
+        return out
+
+    return measure
+
+
+def variant_fields(v, per_round: list[dict], ceilings: list[dict]) -> dict:
+    """A variant's record fields from its rounds and the same rounds' ceiling copies."""
     out = {
         "offloaded_params": len(v.cpu_params),
         "d2h_copies": len(v.d2h),
@@ -266,58 +316,79 @@ def measure(variant, buffers, device, warmup: int, reps: int) -> dict:
         "h2d_bytes": v.h2d_bytes,
         "pinned_bytes": v.pinned_bytes,
         "host_bytes": v.host_bytes,
-        "d2h_s": common.device_time(v.start_d2h, device, warmup, reps),
-        "h2d_s": common.device_time(v.start_h2d, device, warmup, reps),
-        "cpu_step_s": common.host_time(opt.step, device, min(reps, CPU_STEP_REPS)),
     }
-    for key, fn in (("convert_s", v.convert), ("pack_s", v.pack)):
-        out[key] = None if fn is None else common.host_time(fn, device, min(reps, HOST_PASS_REPS))
+    for part in PARTS:
+        values = [r[part] for r in per_round]
+        out[f"{part}_s"] = None if values[0] is None else min(values)
+    d2h = [r["d2h"] for r in per_round]
+    out["d2h_spread"], out["d2h_rounds_s"] = common.spread(d2h), d2h
     out["d2h_Bps"] = out["d2h_bytes"] / out["d2h_s"]
     out["h2d_Bps"] = out["h2d_bytes"] / out["h2d_s"]
+    nbytes = ceilings[0]["nbytes"]
+    out["ceiling_Bps"] = nbytes / min(c["d2h"] for c in ceilings)
+    out["h2d_ceiling_Bps"] = nbytes / min(c["h2d"] for c in ceilings)
+    out["ceiling_spread"] = common.spread([c["d2h"] for c in ceilings])
+    out["ceiling_ratio"] = out["d2h_Bps"] / out["ceiling_Bps"]
+    out["ceiling_ratio_rounds"] = [
+        (v.d2h_bytes / t) / (nbytes / c["d2h"]) for t, c in zip(d2h, ceilings, strict=True)
+    ]
     return out
 
 
-def run(args, device: torch.device) -> list[dict]:
-    """Both variants on both inventories, with the ceilings measured for each."""
+def run_inventory(inv: Inventory, args, device: torch.device, base: dict) -> list[dict]:
+    """Both variants on one inventory's shard, timed in interleaved rounds with the ceiling."""
     warmup, reps = common.repeats(args, device)
+    rounds = common.rounds(args, device)
+    per = common.per_round(reps, rounds)
+    records = {v: dict(base, variant=v) for v in VARIANTS}
+    try:
+        buffers = shard_buffers(inv, args, device)
+        flat_bytes = sum(
+            offload_plan.mirror_layout(b.owned, b.offloaded, b.resident).numel
+            * b.grad.element_size()
+            for b in buffers
+        )
+        ceiling = PinnedCeiling(flat_bytes, device)
+    except Exception as exc:  # a failed set-up still gets its rows
+        return [rec | common.error_fields(exc) for rec in records.values()]
+    owned = sum(b.owned_bytes for b in buffers)
+    built = {}
+    for variant, rec in records.items():
+        rec["owned_bytes"] = owned
+        try:
+            built[variant] = build_variant(variant, buffers, device)
+        except Exception as exc:
+            rec |= common.error_fields(exc)
+    measures = {"ceiling": lambda r: ceiling.measure(warmup if r == 0 else 0, per)}
+    for variant, (v, opt) in built.items():
+        measures[variant] = variant_measure(v, opt, device, warmup, per, rounds)
+    results, errors = common.interleave(measures, rounds)
+    for variant, rec in records.items():
+        if "ceiling" in errors or variant in errors:
+            rec |= common.error_fields(errors.get(variant) or errors["ceiling"])
+        elif variant in built:
+            ceilings = [c | {"nbytes": flat_bytes} for c in results["ceiling"]]
+            rec |= variant_fields(built[variant][0], results[variant], ceilings)
+    return list(records.values())
+
+
+def run(args, device: torch.device) -> list[dict]:
+    """Both variants on both inventories, each inventory's rounds with its own ceilings."""
     invs = build_inventories(args, device)
     print(inventories.describe(invs), file=sys.stderr)
     records = []
-    bar = common.progress([(inv, v) for inv in invs for v in VARIANTS], NAME)
-    ceilings: dict[str, tuple] = {}
-    shards: dict[str, list[ShardBuffer]] = {}
-    for inv, variant in bar:
-        bar.set_postfix_str(f"{inv.name} {variant}")
-        rec = dict.fromkeys(RECORD_FIELDS) | {
+    for inv in common.progress(invs, NAME):
+        base = dict.fromkeys(RECORD_FIELDS) | {
             "inventory": inv.name,
-            "variant": variant,
             "device": device.type,
             "time_kind": "cuda_events" if device.type == "cuda" else "perf_counter",
             "note": CPU_NOTE if device.type == "cpu" else "pinned device-to-host ceiling",
             "dp": args.dp,
             "fraction": args.fraction,
             "num_params": inv.num_params,
+            "rounds": common.rounds(args, device),
         }
-        try:
-            if inv.name not in shards:
-                shards.clear()
-                release(device)
-                shards[inv.name] = shard_buffers(inv, args, device)
-            buffers = shards[inv.name]
-            rec["owned_bytes"] = sum(b.owned_bytes for b in buffers)
-            rec |= measure(variant, buffers, device, warmup, reps)
-            if inv.name not in ceilings:
-                flat_bytes = sum(
-                    offload_plan.mirror_layout(b.owned, b.offloaded, b.resident).numel
-                    * b.grad.element_size()
-                    for b in buffers
-                )
-                ceilings[inv.name] = pinned_ceiling(flat_bytes, device, warmup, reps)
-            rec["ceiling_Bps"], rec["h2d_ceiling_Bps"] = ceilings[inv.name]
-            rec["ceiling_ratio"] = rec["d2h_Bps"] / rec["ceiling_Bps"]
-        except Exception as exc:  # a failed measurement still gets its row
-            rec |= common.error_fields(exc)
-        records.append(rec)
+        records += run_inventory(inv, args, device, base)
         release(device)
     return records
 
@@ -329,10 +400,14 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def plot(records: list[dict], out_dir: Path) -> Path:
+def plot(records: list[dict], out_dir: Path, title: str) -> Path:
     """Achieved device-to-host bytes per second against the ceiling; per-step time parts."""
-    fig, (ax_bw, ax_time) = common.new_figure(2)
     ok = [r for r in records if r["error"] is None]
+    if not ok:
+        fig, (ax,) = common.new_figure(1)
+        common.empty_panel(ax, "no variant was measured (see the error column)")
+        return common.save_figure(fig, out_dir, NAME, title)
+    fig, (ax_bw, ax_time) = common.new_figure(2)
     invs = list(dict.fromkeys(r["inventory"] for r in ok))
     width = 0.8 / len(VARIANTS)
     for j, variant in enumerate(VARIANTS):
@@ -347,7 +422,7 @@ def plot(records: list[dict], out_dir: Path) -> Path:
         ax_bw.hlines(TARGET * ceiling, i - width / 2, i + width * 1.5, colors="k", linestyles=":")
     ax_bw.set_xticks([i + width / 2 for i in range(len(invs))], invs)
     ax_bw.set_ylabel("GB/s")
-    ax_bw.set_title("device-to-host gradient copies (dotted: 90% of ceiling)")
+    ax_bw.set_title("device-to-host gradient copies, fastest rounds (dotted: 90% of ceiling)")
     ax_bw.legend(fontsize=8)
     parts = ("d2h_s", "convert_s", "cpu_step_s", "pack_s", "h2d_s")
     labels = [f"{r['inventory']}\n{r['variant']}" for r in ok]
@@ -360,7 +435,7 @@ def plot(records: list[dict], out_dir: Path) -> Path:
     ax_time.set_ylabel("ms per step (parts run one after another here)")
     ax_time.set_title("per-step time by part")
     ax_time.legend(fontsize=8)
-    return common.save_figure(fig, out_dir, NAME)
+    return common.save_figure(fig, out_dir, NAME, title)
 
 
 def _gbps(v: float) -> str:
@@ -373,20 +448,28 @@ TABLE = (
     common.Column("params", "offloaded_params", meaning="offloaded parameters of rank 0"),
     common.Column("D2H copies", "d2h_copies", meaning="device-to-host copies per step"),
     common.Column("D2H MiB", "d2h_bytes", common.show_mib),
-    common.Column("D2H ms", "d2h_s", common.show_ms, "device-to-host time per step, median"),
+    common.Column(
+        "D2H ms", "d2h_s", common.show_ms, "device-to-host time per step, fastest round's median"
+    ),
+    common.Column(
+        "spread", "d2h_spread", lambda v: f"{v:.0%}", "(slowest - fastest) / fastest D2H round"
+    ),
     common.Column("GB/s", "d2h_Bps", _gbps, "D2H MiB / D2H ms"),
     common.Column(
         "ceiling GB/s",
         "ceiling_Bps",
         _gbps,
-        "one pinned device-to-host copy of the flat bytes, this run (CPU: a host memcpy)",
+        "one pinned device-to-host copy of the flat bytes, this run's fastest round (CPU: a "
+        "host memcpy)",
     ),
     common.Column("% ceiling", "ceiling_ratio", lambda v: f"{100 * v:.0f}", "GB/s / ceiling"),
     common.Column("convert ms", "convert_s", common.show_ms, "host pass to fp32 (flat)"),
     common.Column("CPU step ms", "cpu_step_s", common.show_ms, "fused AdamW on the host"),
     common.Column("pack ms", "pack_s", common.show_ms, "host pass back to bf16 (flat)"),
     common.Column("H2D copies", "h2d_copies", meaning="host-to-device copies per step"),
-    common.Column("H2D ms", "h2d_s", common.show_ms, "host-to-device time per step, median"),
+    common.Column(
+        "H2D ms", "h2d_s", common.show_ms, "host-to-device time per step, fastest round's median"
+    ),
     common.Column("pinned MiB", "pinned_bytes", common.show_mib, "pinned host memory held"),
     common.Column("owned MiB", "owned_bytes", common.show_mib, "rank 0's offloaded gradients"),
     common.Column("error", "error", lambda v: v.splitlines()[0][:48]),
@@ -394,32 +477,55 @@ TABLE = (
 
 
 def summary(records: list[dict]) -> list[str]:
-    """One line per inventory: the flat variant against the ceiling and the target."""
+    """One line per inventory: the flat variant against the ceiling and the target, from
+    the fastest rounds, with every round's ratio and the spread beside it."""
     lines = []
     for r in records:
         if r["variant"] != "flat" or r["error"] is not None:
             continue
         verdict = "met" if r["ceiling_ratio"] >= TARGET else "NOT met"
+        per_round = r["ceiling_ratio_rounds"]
+        at_target = sum(x >= TARGET for x in per_round)
+        if 0 < at_target < len(per_round):
+            verdict += f", but the rounds disagree: {at_target} of {len(per_round)} at target"
         lines.append(
             f"{r['inventory']}: flat mirrors copy gradients device-to-host at "
             f"{r['d2h_Bps'] / 1e9:.2f} GB/s, {100 * r['ceiling_ratio']:.0f}% of the pinned "
-            f"ceiling {r['ceiling_Bps'] / 1e9:.2f} GB/s measured in this run (target "
-            f"{100 * TARGET:.0f}%: {verdict}); pinned {r['pinned_bytes']} B for "
+            f"ceiling {r['ceiling_Bps'] / 1e9:.2f} GB/s measured in this run (fastest of "
+            f"{len(per_round)} interleaved rounds each; per round "
+            f"{100 * min(per_round):.0f}-{100 * max(per_round):.0f}%, copy spread "
+            f"{100 * r['d2h_spread']:.0f}%, ceiling spread {100 * r['ceiling_spread']:.0f}%; "
+            f"target {100 * TARGET:.0f}%: {verdict}); pinned {r['pinned_bytes']} B for "
             f"{r['owned_bytes']} owned gradient B"
         )
     return lines
+
+
+def spreads(records: list[dict]) -> dict[str, float]:
+    """Every copy measurement's spread over its rounds: each row's, each ceiling's."""
+    out = {}
+    for r in records:
+        if r["error"] is None:
+            out[f"{r['inventory']} {r['variant']} device-to-host"] = r["d2h_spread"]
+            out[f"{r['inventory']} ceiling"] = r["ceiling_spread"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the benchmark, write JSON and PNG, print the table last; returns the records."""
     args = parse_args(argv)
     device = common.resolve_device(args.device)
+    title = common.run_title(device, megatron=True)
+    print(title, file=sys.stderr)
     records = run(args, device)
     json_path = common.write_json(records, args.out, NAME)
-    png_path = plot(records, args.out)
+    png_path = plot(records, args.out, title)
     print(f"wrote {json_path} and {png_path}", file=sys.stderr)
     if device.type == "cpu":
         print(CPU_NOTE)
+    warning = common.spread_warning(spreads(records), common.rounds(args, device))
+    if warning:
+        print(warning)
     for line in summary(records):
         print(line)
     print(common.format_table(records, TABLE))

@@ -6,6 +6,9 @@ distributed optimizer. Each configuration is built with our option and with stoc
 megatron-core; a configuration that fails to build or step is reported with its error.
 Per step: forward+backward, norm+clip, optimizer (copy to main grads + inner step + param
 gather), each timed with the device drained before and after; and peak allocated memory.
+Rounds are interleaved (``--rounds``): every configuration is built and stepped once per
+round, in turn; each phase reports its fastest round's median, ``step_spread`` how far the
+rounds' step times are apart, and a line warns when that exceeds 20%.
 
 CUDA only: megatron-core's DDP and optimizers allocate on CUDA.
 """
@@ -25,13 +28,17 @@ import torch
 from benchmarks.common import (
     Column,
     base_parser,
+    empty_panel,
     error_fields,
     format_table,
     gib,
     new_figure,
     progress,
+    run_title,
     save_figure,
     single_rank_process_group,
+    spread,
+    spread_warning,
     write_json,
 )
 
@@ -163,6 +170,26 @@ def _measure(args, option: bool, label: str, overrides: dict, fp32_islands: bool
     return row
 
 
+PHASES = ("fwd_bwd_ms", "norm_clip_ms", "optimizer_ms", "step_ms")
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One configuration's row from its rounds: each phase's fastest round, the spread of
+    the step times, the largest peak memory; the last round's norm and losses. A round that
+    failed makes the row that failure (a configuration either runs or it does not)."""
+    failed = next((r for r in rounds if "error" in r), None)
+    if failed is not None:
+        return failed | {"rounds": len(rounds)}
+    row = dict(rounds[-1])
+    for key in PHASES:
+        row[key] = min(r[key] for r in rounds)
+    steps = [r["step_ms"] for r in rounds]
+    row["step_spread"], row["step_rounds_ms"] = spread(steps), steps
+    row["peak_gib"] = max(r["peak_gib"] for r in rounds)
+    row["rounds"] = len(rounds)
+    return row
+
+
 def _norm_and_clip(opt, option: bool):
     if option:
         return opt.clip_grad_norm(opt.config.clip_grad)
@@ -182,6 +209,7 @@ def parse_args(argv: list[str] | None):
         ("--batch", 4, "micro-batch size"),
         ("--steps", 6, "timed training steps per configuration"),
         ("--warmup", 2, "untimed training steps first"),
+        ("--rounds", 2, "interleaved rounds: every configuration built and stepped once each"),
     ):
         ap.add_argument(name, type=int, default=default, help=f"{meaning} (default: %(default)s)")
     return ap.parse_args(argv)
@@ -196,6 +224,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"nothing measured, nothing written to {args.out}"
         )
     torch.cuda.set_device(0)
+    title = run_title(torch.device("cuda", 0), megatron=True)
+    print(title, file=sys.stderr)
     rows = []
     with single_rank_process_group("tcp://127.0.0.1:29541"):
         from megatron.core import parallel_state
@@ -203,11 +233,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parallel_state.initialize_model_parallel()
         runs = [(opt, label, ov, True) for label, ov in CONFIGS for opt in (True, False)]
         runs.append((False, "pa_offload_0.5", CONFIGS[0][1], False))  # stock, islands in bf16
-        for option, label, overrides, islands in progress(runs, NAME):
-            rows.append(_measure(args, option, label, overrides, islands))
+        per_round: list[list[dict]] = [[] for _ in runs]
+        order = [i for _ in range(max(1, args.rounds)) for i in range(len(runs))]
+        for i in progress(order, NAME):
+            per_round[i].append(_measure(args, *runs[i]))
+        rows = [combine_rounds(r) for r in per_round]
         parallel_state.destroy_model_parallel()
     write_json(rows, args.out, NAME)
-    _plot(rows, args)
+    warning = spread_warning(
+        {f"{r['config']} {r['variant']}": r["step_spread"] for r in rows if "error" not in r},
+        max(1, args.rounds),
+    )
+    if warning:
+        print(warning)
+    _plot(rows, args, title)
     print(
         format_table(
             rows,
@@ -215,13 +254,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 Column("config", "config"),
                 Column("variant", "variant"),
                 Column("fp32 islands", "fp32_islands"),
-                Column("fwd+bwd ms", "fwd_bwd_ms", lambda v: f"{v:.2f}", "median per step"),
-                Column("norm+clip ms", "norm_clip_ms", lambda v: f"{v:.3f}", "median per step"),
+                Column(
+                    "fwd+bwd ms",
+                    "fwd_bwd_ms",
+                    lambda v: f"{v:.2f}",
+                    "median per step, fastest round",
+                ),
+                Column(
+                    "norm+clip ms",
+                    "norm_clip_ms",
+                    lambda v: f"{v:.3f}",
+                    "median per step, fastest round",
+                ),
                 Column(
                     "optimizer ms",
                     "optimizer_ms",
                     lambda v: f"{v:.2f}",
-                    "median per step: copy to main grads, inner step, parameter gather",
+                    "median per step, fastest round: copy to main grads, inner step, parameter "
+                    "gather",
+                ),
+                Column(
+                    "spread",
+                    "step_spread",
+                    lambda v: f"{v:.0%}",
+                    "(slowest - fastest) / fastest round's step time",
                 ),
                 Column("peak GiB", "peak_gib", lambda v: f"{v:.2f}", "peak allocated"),
                 Column("loss first->last", "loss_last", lambda v: f"{v:.4f}"),
@@ -232,9 +288,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def _plot(rows: list[dict], args) -> None:
+def _plot(rows: list[dict], args, title: str) -> None:
     ok = [r for r in rows if "error" not in r]
     fig, (ax,) = new_figure(1, width=9)
+    if not ok:
+        empty_panel(ax, "every configuration failed (see the error column)")
+        save_figure(fig, args.out, NAME, title)
+        return
     labels = [f"{r['config']}\n{r['variant']}{'' if r['fp32_islands'] else ' (bf16)'}" for r in ok]
     bottom = [0.0] * len(ok)
     for key in ("fwd_bwd_ms", "norm_clip_ms", "optimizer_ms"):
@@ -245,7 +305,7 @@ def _plot(rows: list[dict], args) -> None:
     ax.set_title(f"GPTModel {args.layers}x{args.hidden}, one GPU (failed configs omitted)")
     ax.legend()
     ax.tick_params(axis="x", labelsize=7)
-    save_figure(fig, args.out, NAME)
+    save_figure(fig, args.out, NAME, title)
 
 
 if __name__ == "__main__":

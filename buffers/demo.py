@@ -37,12 +37,30 @@ def reference_norm(model: torch.nn.Module) -> float:
     return sum(p.grad.double().square().sum() for p in model.parameters()).sqrt().item()
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's command line; every option's help says what it does and its default."""
+    ap = argparse.ArgumentParser(prog="python -m buffers.demo", description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--steps", type=int, default=5, help="training steps to run (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the model and its gradient buffers live, e.g. cpu or cuda (default: cuda "
+        "when torch sees a GPU, else cpu; here %(default)s)",
+    )
+    ap.add_argument(
+        "--max-norm",
+        type=float,
+        default=1.0,
+        help="clip the total gradient norm to this value every step; inf never clips "
+        "(default: %(default)s)",
+    )
+    return ap
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--max-norm", type=float, default=1.0)
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     torch.manual_seed(0)
     device = torch.device(args.device)

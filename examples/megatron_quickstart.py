@@ -6,18 +6,28 @@ README's set-up commands create): ``python examples/megatron_quickstart.py``; un
 """
 
 import os
+import sys
 
 import torch
-from megatron.core import parallel_state
-from megatron.core.transformer.transformer_config import TransformerConfig
 
-import megatron_ext
+NEEDS_CUDA = (
+    "examples/megatron_quickstart.py needs a CUDA GPU (megatron-core's DDP and optimizers "
+    "run on CUDA, over NCCL) and torch sees none; on the CPU, try python -m buffers.demo"
+)
+
+
+def require_cuda() -> None:
+    """Exit with one line, status 1, when torch sees no CUDA GPU (before NCCL is touched)."""
+    if not torch.cuda.is_available():
+        sys.exit(NEEDS_CUDA)
 
 
 class Block(torch.nn.Module):
     """bf16 weights with fp32 islands (a hyper-connection scale and an attention-sink bias)."""
 
     def __init__(self, hidden: int) -> None:
+        import megatron_ext
+
         super().__init__()
         self.fc1 = torch.nn.Linear(hidden, 4 * hidden, dtype=torch.bfloat16, device="cuda")
         self.fc2 = torch.nn.Linear(4 * hidden, hidden, dtype=torch.bfloat16, device="cuda")
@@ -30,6 +40,13 @@ class Block(torch.nn.Module):
 
 
 def main() -> None:
+    require_cuda()
+    # imported after the check: megatron-core's import notices would bury its one line
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import megatron_ext
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     torch.distributed.init_process_group(

@@ -383,6 +383,10 @@ ENTRIES: tuple[Entry, ...] = (
           "import (the megatron-core wheel)", "the wheel ships helpers_cpp but no Makefile: "
           "rank 0 exits at start-up (\"Failed to compile the C++ dataset helper functions\")",
           since=(0, 19), params=()),
+    Entry("training arguments", "megatron.training.arguments:add_megatron_arguments", "call",
+          "python -m megatron_ext.train --help lists Megatron-LM's arguments after ours",
+          "the help shows the whole command line a script takes", since=(0, 19),
+          params=("parser",), optional=True),
     Entry("dataset helpers", "megatron.core.datasets.helpers_cpp:build_sample_idx_int64",
           "read", "whether the compiled dataset helpers import",
           "decides whether the build can be skipped", since=(0, 19), optional=True),

@@ -1,4 +1,4 @@
-"""Megatron-LM's training loop with per-dtype gradient buffers: two flags and an entry point.
+"""Megatron-LM's training loop with per-dtype gradient buffers: three flags and an entry point.
 
 Run Megatron-LM's own launch script through this module and add the flags::
 
@@ -12,9 +12,15 @@ Run Megatron-LM's own launch script through this module and add the flags::
   one of these regular expressions (``re.search``) stay fp32 when the rest of the model is
   cast to bf16/fp16. It works with or without the first flag (without it, megatron-core's
   own DDP and optimizer get the fp32 parameters).
+- ``--log-per-layer-grad-norm`` (needs the first): per-layer gradient norms every
+  ``--log-interval``, from the step's own norm pass.
 
-Both flags are added to the script's parser through Megatron's ``extra_args_provider``.
-With neither flag, nothing of megatron-core or ``megatron.training`` is replaced: the run is
+``python -m megatron_ext.train --help`` lists these first, one line each, then Megatron-LM's
+arguments; flags ``--per-dtype-grad-buffers`` does not support are refused in one line
+before the script runs (:func:`refuse_unsupported`).
+
+The flags are added to the script's parser through Megatron's ``extra_args_provider``.
+With none of them, nothing of megatron-core or ``megatron.training`` is replaced: the run is
 stock. The one exception, flags or not: megatron-core's wheel ships the compiled dataset
 helpers but not their Makefile, and ``megatron.training`` runs ``make`` on rank 0 at
 start-up and exits when it fails; the entry point skips that build when the Makefile is
@@ -112,33 +118,64 @@ def split_patterns(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--per-dtype-grad-buffers`` and ``--keep-in-fp32-params``; an extra_args_provider."""
-    group = parser.add_argument_group("per-dtype gradient buffers (megatron_ext)")
-    group.add_argument(
-        "--per-dtype-grad-buffers",
-        action="store_true",
-        help="One flat gradient buffer per dtype (fp32 islands for fp32 parameters); norm, "
-        "clip and zero count with one fused launch per buffer (megatron_ext).",
-    )
-    group.add_argument(
-        "--keep-in-fp32-params",
-        type=split_patterns,
-        action="extend",
-        default=[],
-        metavar="PATTERN[,PATTERN...]",
-        help="Keep parameters whose name matches one of these regular expressions (re.search "
-        "on each model chunk's named_parameters()) in fp32 when the model is cast to "
-        "bf16/fp16. May be given several times.",
-    )
-    group.add_argument(
-        "--log-per-layer-grad-norm",
-        action="store_true",
-        help="Every --log-interval, log each layer's gradient norm (and each parameter "
-        "outside the layers: embeddings, final norm, output layer) to the console, "
-        "TensorBoard and W&B, from the step's own norm pass (one segmented read, the same "
-        "all-reduce). Needs --per-dtype-grad-buffers.",
-    )
+    """Add our flags (:data:`FLAGS`) as the parser's first group; an extra_args_provider.
+
+    First, so that the script's ``--help`` lists them before Megatron-LM's hundreds.
+    """
+    group = parser.add_argument_group(GROUP_TITLE)
+    for flags, kwargs in FLAGS:
+        group.add_argument(*flags, **kwargs)
+    # argparse prints groups in the order of this list; ours was appended last
+    parser._action_groups.remove(group)
+    parser._action_groups.insert(0, group)
+    escape_unformattable_help(parser)
     return parser
+
+
+def escape_unformattable_help(parser: argparse.ArgumentParser) -> None:
+    """Escape a bare ``%`` in any option's help, so that ``--help`` prints instead of raising.
+
+    megatron-core 0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` help says "10%)",
+    which argparse reads as a format directive: its ``--help`` raises ``ValueError``.
+    """
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.help or action.help is argparse.SUPPRESS:
+            continue
+        try:
+            formatter._expand_help(action)
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
+
+
+GROUP_TITLE = "per-dtype gradient buffers (megatron_ext)"
+# Our flags: (option strings, add_argument keywords); each help is one line of --help.
+FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
+    (
+        ("--per-dtype-grad-buffers",),
+        dict(
+            action="store_true",
+            help="one flat gradient buffer per dtype (fp32 islands); fused, dtype-safe norm/clip",
+        ),
+    ),
+    (
+        ("--keep-in-fp32-params",),
+        dict(
+            type=split_patterns,
+            action="extend",
+            default=[],
+            metavar="PATTERN[,PATTERN...]",
+            help="keep parameters whose name matches (re.search) in fp32; repeatable",
+        ),
+    ),
+    (
+        ("--log-per-layer-grad-norm",),
+        dict(
+            action="store_true",
+            help="log each layer's grad norm every --log-interval; needs the flag above",
+        ),
+    ),
+)
 
 
 def mark_matching(module: torch.nn.Module, patterns: Iterable[str]) -> list[str]:
@@ -230,11 +267,7 @@ def enable(args: argparse.Namespace) -> TrainingPatches:
     if not options.on:
         return patches
     if options.log_per_layer_grad_norm and not options.per_dtype_grad_buffers:
-        raise UnsupportedTrainingOptionError(
-            "--log-per-layer-grad-norm needs --per-dtype-grad-buffers (the per-layer norms "
-            "come from the flat buffers' norm pass); add it, or drop "
-            "--log-per-layer-grad-norm"
-        )
+        raise UnsupportedTrainingOptionError(NEEDS_BUFFERS)
     _check_training_loop()
     if options.per_dtype_grad_buffers:
         check_supported(args)
@@ -280,14 +313,14 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m megatron_ext.train SCRIPT ARGS...``: run SCRIPT as ``__main__``, installed."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: python -m megatron_ext.train SCRIPT [ARGS...]   (e.g. pretrain_gpt.py; "
-            "SCRIPT is looked up under $MEGATRON_LM_PATH too)\n"
-            "adds --per-dtype-grad-buffers and --keep-in-fp32-params PATTERN[,PATTERN...] "
-            "to SCRIPT's arguments"
-        )
+        print(help_text())
         raise SystemExit(0 if argv else 2)
     script = find_script(argv[0])
+    if not {"-h", "--help"} & set(argv[1:]):
+        try:
+            refuse_unsupported(argv[1:])
+        except UnsupportedTrainingOptionError as e:
+            raise SystemExit(f"megatron_ext.train: error: {e}") from None
     sys.argv = [str(script), *argv[1:]]
     sys.path.insert(0, str(script.parent))  # as `python SCRIPT` does: its sibling modules
     patches = install()
@@ -295,6 +328,95 @@ def main(argv: list[str] | None = None) -> None:
         runpy.run_path(str(script), run_name="__main__")
     finally:
         patches.remove()
+
+
+USAGE = "usage: python -m megatron_ext.train SCRIPT [ARGS...]"
+
+
+def help_text() -> str:
+    """What ``python -m megatron_ext.train --help`` prints: our flags, one line each, first;
+    then Megatron-LM's arguments, or one line saying why they cannot be listed here."""
+    labels = [
+        " ".join(flags) + (f" {kwargs['metavar']}" if "metavar" in kwargs else "")
+        for flags, kwargs in FLAGS
+    ]
+    width = max(map(len, labels))
+    lines = [
+        USAGE,
+        "",
+        "Runs SCRIPT, a Megatron-LM launch script (e.g. pretrain_gpt.py; also looked up",
+        "under $MEGATRON_LM_PATH), with these flags added:",
+        "",
+        *(
+            f"  {label:<{width}}  {kwargs['help']}"
+            for label, (_, kwargs) in zip(labels, FLAGS, strict=True)
+        ),
+        "",
+        megatron_help(),
+    ]
+    return "\n".join(lines)
+
+
+def megatron_help() -> str:
+    """Megatron-LM's own arguments, as its parser lists them (without its usage line)."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # megatron-core's import-time notices
+            warnings.simplefilter("ignore")
+            seam.check_deferred()
+            add_megatron_arguments = seam.optional("training arguments")
+        if add_megatron_arguments is None:
+            raise ImportError("no megatron.training.arguments.add_megatron_arguments")
+    except Exception as e:  # any failure to import it only shortens the help
+        return (
+            "Megatron-LM's arguments: not listed, megatron.training does not import here "
+            f"({type(e).__name__}: {e}); SCRIPT --help lists them where it does"
+        )
+    parser = argparse.ArgumentParser(usage=argparse.SUPPRESS, add_help=False, allow_abbrev=False)
+    parser = add_megatron_arguments(parser)
+    escape_unformattable_help(parser)
+    return "Megatron-LM's arguments (megatron.training):\n" + parser.format_help().lstrip("\n")
+
+
+def refuse_unsupported(argv: list[str]) -> None:
+    """Refuse, from the command line alone, what our flags do not support.
+
+    Runs before the script, so the refusal comes before Megatron-LM's own argument checks
+    (whose asserts on, e.g., ``--use-torch-fsdp2`` would otherwise come first, as a
+    traceback). A command line this cannot read is left to Megatron-LM's parser.
+
+    Raises:
+        UnsupportedTrainingOptionError: names the flags and what to do.
+    """
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    add_arguments(pre)
+    for flag in SCREENED_FLAGS:
+        pre.add_argument(flag, action="store_true")
+    pre.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
+    pre.add_argument("--optimizer", default="adam")
+    try:
+        args, _ = pre.parse_known_args(argv)
+    except argparse.ArgumentError:
+        return
+    options = TrainOptions.from_args(args)
+    if options.log_per_layer_grad_norm and not options.per_dtype_grad_buffers:
+        raise UnsupportedTrainingOptionError(NEEDS_BUFFERS)
+    if options.per_dtype_grad_buffers:
+        check_supported(args)
+
+
+# Megatron-LM's on/off flags that check_supported reads
+SCREENED_FLAGS = (
+    "--use-torch-fsdp2",
+    "--use-megatron-fsdp",
+    "--use-custom-fsdp",
+    "--use-layer-wise-distributed-optimizer",
+)
+NEEDS_BUFFERS = (
+    "--log-per-layer-grad-norm needs --per-dtype-grad-buffers (the per-layer norms come from "
+    "the flat buffers' norm pass); add it, or drop --log-per-layer-grad-norm"
+)
 
 
 def find_script(name: str) -> Path:
@@ -409,6 +531,8 @@ def _parse_then_enable(parse: Callable, patches: TrainingPatches):
                 parser = extra_args_provider(parser)
             return add_arguments(parser)
 
+        if not {"-h", "--help"} & set(sys.argv[1:]):
+            refuse_unsupported(sys.argv[1:])  # before Megatron-LM's own checks assert
         args = parse(
             extra_args_provider=provider,
             ignore_unknown_args=ignore_unknown_args,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -156,24 +157,89 @@ def test_burst_host_times_counts_every_call():
     assert len(times) == 3 and len(calls) == 12 and all(t >= 0 for t in times)
 
 
-def test_norm_clip_host_times_interleave_ops_in_rounds():
-    """A slow moment on the machine must not land on one row: every round times every op."""
+def test_norm_clip_rounds_interleave_the_floor_and_every_row():
+    """A slow moment on the machine must not land on one row: every round times the floor's
+    copy and every (variant, op) in turn, and each reports its fastest round."""
     script = load_script("norm_clip")
+    common = sys.modules["benchmarks.common"]
     order = []
-    prep = script.Prepared(
-        [], lambda: order.append("norm"), lambda max_norm: order.append(max_norm)
-    )
-    ops = ["norm", "clip"]
-    host = script.measure_host(prep, ops, torch.device("cpu"), reps=10, burst=True)
-    runs = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
-    assert len(runs) == 2 * script.HOST_ROUNDS  # norm, clip, norm, clip, ...
-    assert order.count("norm") == order.count(0.0) >= 10
-    for op in ops:
-        fields = host[op]
+
+    def prep(name):
+        return script.Prepared(
+            [], lambda: order.append((name, "norm")), lambda m: order.append((name, m))
+        )
+
+    class Floor(common.CopyFloor):
+        def measure(self, warmup, reps):
+            order.append("copy")
+            return super().measure(warmup, reps)
+
+    preps = {"flat": prep("flat"), "torch": prep("torch")}
+    keys = [(v, op) for v in preps for op in ("norm", "clip")]
+    floor = Floor(1024, torch.device("cpu"))
+    results, errors = script.time_rounds(preps, keys, floor, torch.device("cpu"), 0, 6, 3)
+    assert not errors and set(results) == {script.COPY, *keys}
+    # the rounds: copy, flat norm, flat clip, torch norm, torch clip; then again
+    starts = [i for i, k in enumerate(order) if k == "copy"]
+    assert len(starts) == 3
+    firsts = [[k for j, k in enumerate(order[s:]) if j == 0 or order[s + j - 1] != k][:5]
+              for s in starts]  # fmt: skip
+    assert all(f == ["copy", ("flat", "norm"), ("flat", 0.0), ("torch", "norm"),
+                     ("torch", 0.0)] for f in firsts)  # fmt: skip
+    for key in keys:
+        assert len(results[key]) == 3
+        fields = script._timed_fields(results[key])
+        assert fields["time_s"] == min(r["time"] for r in results[key])
+        assert fields["time_rounds_s"] == [r["time"] for r in results[key]]
+        # host time: the same statistic as the time (on the CPU, the same call)
+        assert fields["host_time_s"] == min(statistics.median(r["host"]) for r in results[key])
         assert 0 < fields["host_time_p10_s"] <= fields["host_time_s"] <= fields["host_time_p90_s"]
-        assert fields["host_time_burst_s"] > 0
-    no_burst = script.measure_host(prep, ops, torch.device("cpu"), reps=2, burst=False)
-    assert no_burst["clip"]["host_time_burst_s"] is None
+        assert (fields["host_time_burst_s"] is not None) == (key[0] == "flat")
+
+
+def test_interleave_keeps_a_failing_measure_out_of_later_rounds():
+    common = load_script("common")
+    calls = []
+
+    def bad(r):
+        calls.append(r)
+        raise ValueError("boom")
+
+    results, errors = common.interleave({"ok": lambda r: r * 2, "bad": bad}, 3)
+    assert results == {"ok": [0, 2, 4]} and calls == [0] and isinstance(errors["bad"], ValueError)
+
+
+def test_spread_warning_only_past_twenty_percent():
+    common = load_script("common")
+    assert common.spread([1.0, 1.2, 1.1]) == pytest.approx(0.2)
+    assert common.spread_warning({"a": 0.2, "b": 0.05}, 5) is None
+    line = common.spread_warning({"a": 0.21, "b": 0.05, "c": 3.0}, 5)
+    assert line.startswith("warning: 2 of 3 measurements spread more than 20%")
+    assert "(worst: c, 300%)" in line and "\n" not in line
+    fields = common.round_fields("time", [3.0, 2.0, 2.5])
+    assert fields == {"time_s": 2.0, "time_spread": 0.5, "time_rounds_s": [3.0, 2.0, 2.5]}
+
+
+def test_norm_clip_warns_when_rounds_spread_and_ratios_use_this_runs_fastest_copy(
+    tmp_path, monkeypatch, capsys
+):
+    script = load_script("norm_clip")
+    common = sys.modules["benchmarks.common"]
+    copies = iter([4e-3, 1e-3, 2e-3])  # the copy's three rounds: the fastest is the floor
+    monkeypatch.setattr(common.CopyFloor, "measure", lambda self, w, r: next(copies))
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--scale", "0.002", "--reps", "3"]
+    argv += ["--rounds", "3", "--ops", "norm", "--variants", "flat", "--scaling-counts", ""]
+    monkeypatch.setattr(
+        script, "build_inventories", lambda args, device: [script.inventories.model_stage(
+            "dense_gpt", 65536)]
+    )  # fmt: skip
+    (rec,) = script.main(argv)
+    assert rec["floor_spread"] == pytest.approx(3.0) and rec["rounds"] == 3
+    assert rec["bandwidth_Bps"] == pytest.approx(2 * rec["bytes"] / 1e-3, rel=1e-3)
+    assert rec["ratio"] == pytest.approx(rec["time_s"] / rec["floor_s"])
+    assert rec["time_s"] == min(rec["time_rounds_s"]) and len(rec["time_rounds_s"]) == 3
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("warning: ") and "dense_gpt copy (floor), 300%" in out[0]
 
 
 # --- every script: --help, where it runs from, where it writes, what it says --------------
@@ -331,3 +397,98 @@ def test_norm_clip_host_profile_names_our_functions(tmp_path):
     assert all(r["host_profile"] is None for r in off)
     with pytest.raises(SystemExit):
         script.parse_args(argv + ["--host-profile", "-1"])
+
+
+# --- every PNG: titled with device and versions, no blank panel ------------------------------
+
+
+def _capture_figures(monkeypatch) -> list[dict]:
+    """Record, for every figure a script saves, its title and whether each panel has data."""
+    common = sys.modules["benchmarks.common"]
+    original, seen = common.save_figure, []
+
+    def save(fig, out_dir, name, title):
+        seen.append({
+            "name": name,
+            "title": title,
+            "panels": [(ax.axison, ax.has_data()) for ax in fig.axes],
+        })  # fmt: skip
+        return original(fig, out_dir, name, title)
+
+    monkeypatch.setattr(common, "save_figure", save)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("name", "argv", "panels", "megatron"),
+    [
+        ("memory", [], 1, True),
+        ("clip_step", ["--bytes", "65536", "--warmup", "0", "--rounds", "2"], 1, False),
+        ("offload", ["--bytes", "65536", "--warmup", "0", "--rounds", "2"], 2, True),
+        (
+            "norm_clip",
+            ["--scale", "0.002", "--warmup", "0", "--rounds", "2", "--variants", "flat,torch"]
+            + ["--ops", "norm,clip", "--scaling-counts", "80", "--scaling-bytes", "32768"],
+            3,
+            True,
+        ),
+        (  # no clip op, no scaling series: one panel, not three with two blank
+            "norm_clip",
+            ["--scale", "0.002", "--warmup", "0", "--rounds", "1", "--variants", "flat"]
+            + ["--ops", "norm", "--scaling-counts", ""],
+            1,
+            True,
+        ),
+    ],
+)
+def test_every_png_names_device_and_versions_and_has_no_blank_panel(
+    name, argv, panels, megatron, tmp_path, monkeypatch
+):
+    from importlib import metadata
+
+    script = load_script(name)
+    seen = _capture_figures(monkeypatch)
+    script.main(["--device", "cpu", "--out", str(tmp_path), *argv])
+    (fig,) = seen
+    assert fig["name"] == name and len(fig["panels"]) == panels, fig
+    assert all(on and data for on, data in fig["panels"]), fig  # no blank or text-only panel
+    assert fig["title"].startswith("CPU: ") and f"torch {torch.__version__}" in fig["title"]
+    assert sys.modules["benchmarks.common"].cpu_name() in fig["title"]
+    want = f"megatron-core {metadata.version('megatron-core')}"
+    assert (want in fig["title"]) == megatron, fig["title"]
+    from PIL import Image
+
+    assert Image.open(tmp_path / f"{name}.png").text["Title"] == fig["title"]
+
+
+def test_offload_verdict_says_when_rounds_disagree():
+    script = load_script("offload")
+    rec = dict.fromkeys(script.RECORD_FIELDS) | {
+        "inventory": "dense_gpt", "variant": "flat", "d2h_Bps": 9.2e9, "ceiling_Bps": 1e10,
+        "ceiling_ratio": 0.92, "ceiling_ratio_rounds": [0.92, 0.5, 0.91], "d2h_spread": 0.8,
+        "ceiling_spread": 0.05, "pinned_bytes": 10, "owned_bytes": 20,
+    }  # fmt: skip
+    (line,) = script.summary([rec])
+    assert "92% of the pinned ceiling" in line and "per round 50-92%" in line
+    assert "copy spread 80%" in line and "met, but the rounds disagree: 2 of 3 at target" in line
+    (line,) = script.summary([rec | {"ceiling_ratio_rounds": [0.95, 0.92]}])
+    assert "target 90%: met)" in line
+    warning = script.common.spread_warning(script.spreads([rec]), 3)
+    assert "dense_gpt flat device-to-host, 80%" in warning
+
+
+def test_train_step_rows_take_each_phase_from_the_fastest_round():
+    script = load_script("train_step")
+    rounds = [
+        {"config": "distopt", "variant": "ours", "fwd_bwd_ms": 10.0, "norm_clip_ms": 1.0,
+         "optimizer_ms": 5.0, "step_ms": 16.0, "peak_gib": 2.0, "grad_norm": 1.5},
+        {"config": "distopt", "variant": "ours", "fwd_bwd_ms": 9.0, "norm_clip_ms": 2.0,
+         "optimizer_ms": 4.0, "step_ms": 15.0, "peak_gib": 2.5, "grad_norm": 1.25},
+    ]  # fmt: skip
+    row = script.combine_rounds(rounds)
+    assert (row["fwd_bwd_ms"], row["norm_clip_ms"], row["optimizer_ms"]) == (9.0, 1.0, 4.0)
+    assert row["step_ms"] == 15.0 and row["step_rounds_ms"] == [16.0, 15.0]
+    assert row["step_spread"] == pytest.approx(1 / 15) and row["rounds"] == 2
+    assert row["peak_gib"] == 2.5 and row["grad_norm"] == 1.25
+    failed = script.combine_rounds([rounds[0], {"config": "distopt", "error": "E: x"}])
+    assert failed["error"] == "E: x" and "fwd_bwd_ms" not in failed

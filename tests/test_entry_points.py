@@ -1,0 +1,151 @@
+"""What a new user runs first: the training entry point's --help and refusals, the demo's
+--help, the Megatron example on a machine without a GPU, and the packages' type hints."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from buffers import demo
+from megatron_ext import train
+
+ROOT = Path(__file__).resolve().parents[1]
+OUR_FLAGS = ("--per-dtype-grad-buffers", "--keep-in-fp32-params", "--log-per-layer-grad-norm")
+
+
+def test_train_help_lists_our_flags_first_one_line_each_then_megatrons(capsys):
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--help"])
+    assert exc.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("usage: python -m megatron_ext.train SCRIPT")
+    options = [i for i, line in enumerate(lines) if line.lstrip().startswith("--")]
+    first = options[: len(OUR_FLAGS)]
+    for i, flag in zip(first, OUR_FLAGS, strict=True):
+        label, _, meaning = lines[i].strip().partition("  ")
+        assert label.split()[0] == flag and len(meaning.strip()) > 20, lines[i]
+        assert not lines[i + 1].startswith(" " * 8), "a flag's help continues on a second line"
+    rest = "\n".join(lines[first[-1] + 1 :])
+    pytest.importorskip("megatron.training.arguments")
+    assert "Megatron-LM's arguments" in rest
+    assert "--tensor-model-parallel-size" in rest and "--use-torch-fsdp2" in rest
+    # megatron-core 0.19.2's own --help raises on a bare "10%)": escaped, it prints
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in rest or "10%)" not in rest
+
+
+def test_train_help_says_why_megatrons_arguments_are_missing(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.training.arguments", None)  # import fails
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(flag in out for flag in OUR_FLAGS)
+    assert "Megatron-LM's arguments: not listed, megatron.training does not import" in out
+
+
+def test_a_scripts_parser_lists_our_group_first_and_formats_every_help():
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument_group("megatron").add_argument("--lr", help="rate (10%)")
+    train.add_arguments(parser)
+    text = parser.format_help().split("\n\n", 1)[1]  # after the usage; raised on "10%)"
+    assert text.index("--per-dtype-grad-buffers") < text.index("--lr") and "10%)" in text
+
+
+class _Ran(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--per-dtype-grad-buffers", "--use-torch-fsdp2"], "--use-torch-fsdp2"),
+        (["--use-megatron-fsdp", "--per-dtype-grad-buffers"], "--use-megatron-fsdp"),
+        (
+            ["--per-dtype-grad-buffers", "--num-distributed-optimizer-instances", "2"],
+            "--num-distributed-optimizer-instances 2",
+        ),
+        (["--per-dtype-grad-buffers", "--optimizer=muon"], "--optimizer muon"),
+        (["--log-per-layer-grad-norm"], "needs --per-dtype-grad-buffers"),
+    ],
+)
+def test_unsupported_flags_are_refused_in_one_line_before_the_script_runs(
+    flags, named, tmp_path, monkeypatch
+):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    monkeypatch.setattr(train, "install", lambda: (_ for _ in ()).throw(_Ran()))
+    with pytest.raises(SystemExit) as exc:
+        train.main([str(script), "--lr", "1e-3", *flags, "--micro-batch-size", "2"])
+    message = exc.value.code
+    assert isinstance(message, str) and "\n" not in message
+    assert message.startswith("megatron_ext.train: error: ") and named in message
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--per-dtype-grad-buffers", "--use-distributed-optimizer", "--optimizer", "sgd"],
+        ["--use-torch-fsdp2"],  # without our flag: stock, not ours to refuse
+        ["--per-dtype-grad-buffers", "--use-torch-fsdp2", "--help"],  # help wins
+        ["--per-dtype-grad-buffers", "--num-distributed-optimizer-instances", "two"],
+    ],
+)
+def test_supported_or_unreadable_command_lines_reach_the_script(flags, tmp_path, monkeypatch):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    monkeypatch.setattr(train, "install", lambda: (_ for _ in ()).throw(_Ran()))
+    with pytest.raises(_Ran):
+        train.main([str(script), *flags])
+
+
+def test_demo_help_describes_every_option():
+    parser = demo.build_parser()
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert {"--steps", "--device", "--max-norm"} <= {s for a in options for s in a.option_strings}
+    for action in options:
+        assert action.help and "default" in action.help, action.option_strings
+    assert parser.prog == "python -m buffers.demo"
+
+
+def test_megatron_quickstart_without_a_gpu_says_so_in_one_line():
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONWARNINGS")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, also on a machine that has one
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "megatron_quickstart.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "needs a CUDA GPU" in proc.stderr, proc.stderr
+
+
+def test_both_packages_ship_py_typed(tmp_path):
+    for package in ("buffers", "megatron_ext"):
+        assert (ROOT / package / "py.typed").is_file(), package
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for package in ("buffers", "megatron_ext"):
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + [str(src), "-w", str(tmp_path / "dist")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"buffers/py.typed", "megatron_ext/py.typed"} <= names
