@@ -450,7 +450,9 @@ class _BuildRecord:
 def _keeping_fp32(original: Callable, patterns: tuple[str, ...], built: _BuildRecord):
     stock_wrapper = seam.target("Float16Module")
 
-    def wrap_with_mp_wrapper(model_list, transformer_config, mixed_precision_wrapper=None):
+    # megatron-core's default wrapper is its Float16Module: a caller that leaves it out
+    # gets ours in its place, as one that passes it does
+    def wrap_with_mp_wrapper(model_list, transformer_config, mixed_precision_wrapper=stock_wrapper):
         marked = [name for chunk in model_list for name in mark_matching(chunk, patterns)]
         if mixed_precision_wrapper is stock_wrapper:
             mixed_precision_wrapper = Float16Module

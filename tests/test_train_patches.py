@@ -156,6 +156,28 @@ def test_installing_twice_is_refused():
         patches.remove()
 
 
+def wrap_for_mixed_precision_default(patterns):
+    """As megatron.training's builders, leaving the wrapper to its default."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.training.models import dist_utils
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True)
+    chunk = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    with train.TrainingPatches() as patches:
+        wrap = train._keeping_fp32(
+            seam.target("training fp32 islands"), patterns, train._BuildRecord()
+        )
+        patches.replace("training fp32 islands", wrap)
+        (wrapped,) = dist_utils._wrap_with_mp_wrapper([chunk], config)
+    return wrapped
+
+
+def test_the_default_wrapper_is_ours_too():
+    wrapped = wrap_for_mixed_precision_default((r"^0\.",))
+    assert isinstance(wrapped, megatron_ext.Float16Module)
+    assert all(p.dtype == torch.float32 for p in wrapped.module[0].parameters())
+
+
 def wrap_for_mixed_precision(patterns, pipeline=1):
     """Call megatron.training's mixed-precision wrapping, as its model builders do."""
     from megatron.core.transformer import TransformerConfig
