@@ -487,7 +487,7 @@ def _sort(
         seen.add(id(p))
         if not p.is_leaf:
             raise ValueError(
-                f"{name} is not a leaf tensor (it was computed by "
+                f"parameter {name!r} is not a leaf tensor (it was computed by "
                 f"{type(p.grad_fn).__name__}), so backward never fills its .grad: pass the "
                 "parameters themselves (e.g. model.named_parameters())"
             )
