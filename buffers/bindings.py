@@ -69,11 +69,9 @@ def bucket_view_ddps() -> list:
     return found
 
 
-BUCKET_VIEW_ADVICE = (
-    "torch DistributedDataParallel with gradient_as_bucket_view=True points every .grad "
-    "into its own buckets, which these buffers cannot see: wrap the model with "
-    "gradient_as_bucket_view=False (the default; DDP then copies the reduced gradients back "
-    "into these buffers)"
+BUCKET_VIEW_FIX = (
+    "wrap the model with gradient_as_bucket_view=False (DDP's default; DDP then copies the "
+    "reduced gradients back into these buffers)"
 )
 
 
@@ -82,13 +80,14 @@ def refuse_bucket_view_ddp(named: list[tuple[str, torch.Tensor]]) -> None:
     ddps = bucket_view_ddps()
     if not ddps:
         return
-    ids = {id(p): name for name, p in named}
-    for ddp in ddps:
-        for p in ddp.parameters():
-            if id(p) in ids:
-                raise ValueError(
-                    f"parameter {ids[id(p)]!r} belongs to a model wrapped in {BUCKET_VIEW_ADVICE}"
-                )
+    wrapped = {id(p) for ddp in ddps for p in ddp.parameters()}
+    for name, p in named:
+        if id(p) in wrapped:
+            raise ValueError(
+                f"parameter {name!r} belongs to a model wrapped in torch "
+                "DistributedDataParallel with gradient_as_bucket_view=True, which points .grad "
+                f"into DDP's own buckets where these buffers cannot see it: {BUCKET_VIEW_FIX}"
+            )
 
 
 def _in_bucket_view_ddp(p: torch.Tensor) -> bool:
@@ -249,7 +248,11 @@ class BindingWatch:
             )
         grad = p.grad
         if grad is not None and grad._base is not None and _in_bucket_view_ddp(p):
-            return True, f"the gradient of {b.name!r} was moved out: {BUCKET_VIEW_ADVICE}"
+            return True, (
+                f"the gradient of {b.name!r} was moved into a bucket of torch "
+                "DistributedDataParallel (gradient_as_bucket_view=True), where these buffers "
+                f"cannot see it: {BUCKET_VIEW_FIX}"
+            )
         return False, (
             f"the gradient of {b.name!r} no longer lives in its flat buffer (was .grad set "
             "to None, e.g. by zero_grad(set_to_none=True), or reassigned?), so the norm would "
