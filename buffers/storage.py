@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -423,11 +424,11 @@ class FlatGradBuffers:
         return all(g.get("fused") for g in optimizer.param_groups)
 
     def _check_optimizer_params(self, optimizer) -> None:
-        # Keyed by every parameter's id, not their count: a parameter replaced in a group
-        # keeps the count. Our parameters are alive (a freed one raised above), so an id
-        # found in the bindings is that parameter.
-        key = tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
-        if self._checked_optimizers.get(optimizer) == key:
+        # Compared parameter by parameter (identity, one C-level pass), not by count: a
+        # parameter replaced in a group keeps the count. Our parameters are alive (a freed
+        # one raised above), so an id found in the bindings is that parameter.
+        groups = [g["params"] for g in optimizer.param_groups]
+        if _same_objects(self._checked_optimizers.get(optimizer), groups):
             return
         watch = self._watch
         for gi, g in enumerate(optimizer.param_groups):
@@ -454,7 +455,7 @@ class FlatGradBuffers:
                         "and now receives a gradient that their norm would miss: build "
                         "FlatGradBuffers over every parameter the optimizer updates",
                     )
-        self._checked_optimizers[optimizer] = key
+        self._checked_optimizers[optimizer] = [list(g) for g in groups]
 
     def count_zeros(self, *, group=None) -> torch.Tensor:
         """Number of zero elements among counted gradients (padding excluded), int64.
@@ -518,6 +519,16 @@ def _pick_device(device, trained: list[tuple[str, torch.Tensor]]) -> torch.devic
             "live on their parameter's device, so leave device=None"
         )
     return device
+
+
+def _same_objects(checked: list[list] | None, groups: list[list]) -> bool:
+    """Whether ``groups`` hold exactly the objects ``checked`` does, in the same order."""
+    if checked is None or len(checked) != len(groups):
+        return False
+    return all(
+        len(c) == len(g) and all(map(operator.is_, c, g))
+        for c, g in zip(checked, groups, strict=True)
+    )
 
 
 def _check_call_args(error_if_nonfinite, foreach, group, per_param) -> None:
