@@ -201,7 +201,9 @@ def test_all_frozen_warns():
 
 def test_complex_parameters_are_an_unsupported_dtype():
     z = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
-    with pytest.raises(TypeError, match=r"'z' has dtype torch.complex64, which is unsupported.*accepted dtypes"):
+    with pytest.raises(
+        TypeError, match=r"'z' has dtype torch.complex64, which is unsupported.*accepted dtypes"
+    ):
         FlatGradBuffers([("a", torch.nn.Parameter(torch.zeros(2))), ("z", z)])
 
 
