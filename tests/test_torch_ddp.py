@@ -88,6 +88,8 @@ def bucket_views_refused(rank, wrap_first):
         return
     fgb = FlatGradBuffers(net.named_parameters())
     ddp = DDP(net, gradient_as_bucket_view=True)  # moves every .grad into its buckets
+    with pytest.raises(GradientOutsideBufferError, match="gradient_as_bucket_view=False"):
+        fgb.zero_()  # the first call after the wrap, before any backward
     step(ddp, rank, 0)
     for call in (fgb.clip_grad_norm_, fgb.grad_norm, fgb.zero_, fgb.zero_):
         with pytest.raises(GradientOutsideBufferError, match="gradient_as_bucket_view=False"):
