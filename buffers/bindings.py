@@ -17,6 +17,7 @@ broke and what to do is worked out only when there is something to report.
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from collections.abc import Callable
@@ -75,12 +76,14 @@ BUCKET_VIEW_FIX = (
 )
 
 
+def bucket_view_param_ids() -> set[int]:
+    """ids of the parameters of :func:`bucket_view_ddps`' modules."""
+    return {id(p) for ddp in bucket_view_ddps() for p in ddp.parameters()}
+
+
 def refuse_bucket_view_ddp(named: list[tuple[str, torch.Tensor]]) -> None:
     """``ValueError`` if a DDP module with bucket-view gradients holds one of ``named``."""
-    ddps = bucket_view_ddps()
-    if not ddps:
-        return
-    wrapped = {id(p) for ddp in ddps for p in ddp.parameters()}
+    wrapped = bucket_view_param_ids()
     for name, p in named:
         if id(p) in wrapped:
             raise ValueError(
@@ -88,10 +91,6 @@ def refuse_bucket_view_ddp(named: list[tuple[str, torch.Tensor]]) -> None:
                 "DistributedDataParallel with gradient_as_bucket_view=True, which points .grad "
                 f"into DDP's own buckets where these buffers cannot see it: {BUCKET_VIEW_FIX}"
             )
-
-
-def _in_bucket_view_ddp(p: torch.Tensor) -> bool:
-    return any(any(q is p for q in ddp.parameters()) for ddp in bucket_view_ddps())
 
 
 def _remove_hooks(hooks: list) -> None:
@@ -219,8 +218,12 @@ class BindingWatch:
 
     # --- reporting ------------------------------------------------------------------------
 
-    def diagnose(self, pid: int) -> tuple[bool, str]:
-        """``(fatal, message)`` for a broken binding; fatal ones ``zero_()`` cannot repair."""
+    def diagnose(self, pid: int, wrapped: Callable[[], set[int]]) -> tuple[bool, str]:
+        """``(fatal, message)`` for a broken binding; fatal ones ``zero_()`` cannot repair.
+
+        ``wrapped``: :func:`bucket_view_param_ids`, memoised by the caller (one walk of
+        the garbage collector's objects per report, not per parameter).
+        """
         if pid in self.outsiders:
             return True, self.outsiders[pid][1]
         b = self.bindings[pid]
@@ -247,7 +250,7 @@ class BindingWatch:
                 "after changing the model"
             )
         grad = p.grad
-        if grad is not None and grad._base is not None and _in_bucket_view_ddp(p):
+        if grad is not None and grad._base is not None and id(p) in wrapped():
             return True, (
                 f"the gradient of {b.name!r} was moved into a bucket of torch "
                 "DistributedDataParallel (gradient_as_bucket_view=True), where these buffers "
@@ -267,13 +270,17 @@ class BindingWatch:
                 "their hooks are gone, so a gradient set to None or replaced since would be "
                 "missed without a word: build a new FlatGradBuffers"
             )
-        found = [self.diagnose(pid) for pid in self.broken]
+        wrapped = functools.cache(bucket_view_param_ids)
+        found = [self.diagnose(pid, wrapped) for pid in self.broken]
         found.sort(key=lambda f: not f[0])  # what zero_() cannot fix first
-        raise GradientOutsideBufferError("; ".join(dict.fromkeys(m for _, m in found)))
+        messages = list(dict.fromkeys(m for _, m in found))
+        more = f"; and {len(messages) - 3} more like these" if len(messages) > 3 else ""
+        raise GradientOutsideBufferError("; ".join(messages[:3]) + more)
 
     def rebind(self) -> None:
         """Point every broken gradient back at its view, or raise if one cannot be."""
-        if self.closed or any(self.diagnose(pid)[0] for pid in self.broken):
+        wrapped = functools.cache(bucket_view_param_ids)
+        if self.closed or any(self.diagnose(pid, wrapped)[0] for pid in self.broken):
             self.raise_broken()
         for pid in self.broken:
             b = self.bindings[pid]

@@ -282,3 +282,13 @@ def test_torch_numbers_over_several_steps_with_sgd():
         backward(net, 10 + step)
         assert_like_torch(fgb, net, max_norm=[0.1, 1e3, 1.0, math.inf][step])
         opt.step()
+
+
+def test_a_report_over_many_parameters_stays_short():
+    net = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(300)))
+    fgb = FlatGradBuffers(net.named_parameters())
+    net.double()
+    net(torch.randn(1, 2, dtype=torch.float64)).sum().backward()
+    with pytest.raises(GradientOutsideBufferError, match="and 597 more like these") as info:
+        fgb.clip_grad_norm_(1.0)
+    assert len(str(info.value)) < 1500
