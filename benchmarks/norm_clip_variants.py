@@ -46,6 +46,7 @@ class Prepared:
             outside the timed call.
         fields: record fields of this row: ``variant`` (default: the label), ``path`` (which
             route a variant takes, when it has several), ``note``.
+        keep: what the calls need alive (FlatGradBuffers holds its parameters weakly).
     """
 
     grads: list[torch.Tensor]
@@ -54,6 +55,7 @@ class Prepared:
     per_param: Callable[[], torch.Tensor] | None = None
     fields: dict[str, Any] = field(default_factory=dict)
     per_param_order: torch.Tensor | None = None
+    keep: Any = None
 
 
 Builder = Callable[[NamedParams, torch.device], Prepared]
@@ -218,6 +220,7 @@ def flat(named: NamedParams, device: torch.device) -> Prepared:
         fgb.grad_norm,
         fgb.clip_grad_norm_,
         lambda: fgb.grad_norm(per_param=True).norms,
+        keep=named,
     )
 
 

@@ -23,6 +23,7 @@ match one for one.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -259,7 +260,10 @@ class NormClip:
         # cached value. Otherwise one fill per change of max_norm, not one per step.
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if capturing or max_norm != self._max_value:
-            self._max_in.fill_(max_norm)
+            # A max_norm beyond the statistic dtype's range is inf there, as in torch's
+            # fp32 coefficient (fill_ would refuse it as an overflow).
+            limit = torch.finfo(self._max_in.dtype).max
+            self._max_in.fill_(max_norm if max_norm <= limit else math.inf)
         self._max_value = None if capturing else max_norm
 
     def _clip_to_max(self, total: torch.Tensor) -> torch.Tensor:

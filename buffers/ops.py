@@ -45,6 +45,37 @@ def check_max_norm(max_norm: float | torch.Tensor) -> float:
     return value
 
 
+def check_flag(value: object, what: str) -> bool:
+    """Return ``value`` if it is a bool, else a ``TypeError`` naming the argument ``what``."""
+    if not isinstance(value, bool):
+        hint = ""
+        if _is_process_group(value):
+            hint = " (a process group: pass it as group=..., which is keyword-only)"
+        raise TypeError(f"{what} must be a bool, got {type(value).__name__}{hint}")
+    return value
+
+
+def check_foreach(foreach: object) -> None:
+    """torch's ``foreach``: None or a bool (accepted for torch's positional order; unused)."""
+    if foreach is not None:
+        check_flag(foreach, "foreach")
+
+
+def check_group(group: object) -> None:
+    """``group`` must be None or a ``torch.distributed.ProcessGroup``, else ``TypeError``."""
+    if group is not None and not _is_process_group(group):
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(group).__name__} {group!r}"
+        )
+
+
+def _is_process_group(value: object) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and isinstance(value, dist.ProcessGroup)
+
+
 # Elements upcast at a time by the torch backend, per device type. On the CPU its scratch
 # buffer (4 MiB of fp32) is reused chunk after chunk while it sits in cache, and a fresh
 # multi-MiB temporary on every call costs page faults (measured: 2.6 ms instead of under 1 ms

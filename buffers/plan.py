@@ -106,8 +106,8 @@ def check_grad_dtype(dtype: torch.dtype, what: str) -> None:
     if dtype not in SUPPORTED_GRAD_DTYPES:
         accepted = ", ".join(str(d) for d in SUPPORTED_GRAD_DTYPES)
         raise TypeError(
-            f"{what} has dtype {dtype}, which cannot be given a flat gradient buffer; "
-            f"accepted dtypes: {accepted}. Freeze it (requires_grad=False) or cast it."
+            f"{what} has dtype {dtype}, which is unsupported (no flat gradient buffer for "
+            f"it); accepted dtypes: {accepted}. Freeze it (requires_grad=False) or cast it."
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Literal, overload
@@ -9,19 +11,20 @@ from typing import Literal, overload
 import torch
 
 from . import graphs, ops
+from .bindings import BindingWatch, GradientOutsideBufferError, refuse_bucket_view_ddp
 from .graphs import NormClip
 from .options import DEFAULT, BufferOptions
 from .param_norms import ParamNormPass, ParamNorms
-from .plan import LayoutPlan, ParamEntry, plan_layout
+from .plan import LayoutPlan, ParamEntry, check_grad_dtype, plan_layout
 
-ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+__all__ = ["FlatGradBuffers", "GradientOutsideBufferError"]
 
-
-class GradientOutsideBufferError(RuntimeError):
-    """A parameter's ``.grad`` no longer lives in its flat buffer, so a norm would miss it."""
+ParamsArg = torch.Tensor | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 def _named(params: ParamsArg) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, torch.Tensor):  # one parameter, as torch's clip_grad_norm_ takes
+        params = [params]
     out = []
     for i, item in enumerate(params):
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
@@ -34,23 +37,6 @@ def _named(params: ParamsArg) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _binding_check(owner: weakref.ref, name: str, ptr: int):
-    """A post-accumulate hook: mark ``name`` escaped when its ``.grad`` left the view."""
-
-    def check(p: torch.Tensor) -> None:
-        fgb = owner()
-        if fgb is not None and (p.grad is None or p.grad.data_ptr() != ptr):
-            fgb._escaped[id(p)] = name
-
-    return check
-
-
-def _remove_hooks(hooks) -> None:
-    for handle in hooks:
-        handle.remove()
-    hooks.clear()
-
-
 class FlatGradBuffers:
     """One contiguous gradient buffer per dtype; each parameter's ``.grad`` is a view of it.
 
@@ -58,16 +44,29 @@ class FlatGradBuffers:
     one fused launch per buffer instead of one per parameter.
 
     Args:
-        params: parameters, or ``(name, parameter)`` pairs such as ``named_parameters()``.
-            Frozen parameters (``requires_grad=False``) are skipped. A parameter given twice
-            is laid out once, under its first name.
+        params: parameters, one parameter, or ``(name, parameter)`` pairs such as
+            ``named_parameters()``. A parameter given twice is laid out once, under its
+            first name. Frozen parameters (``requires_grad=False``) get no place; a hook
+            reports one that is unfrozen later, at the first norm, clip or count after it
+            receives a gradient. Parameters are held weakly: once one is freed (the model
+            re-created, ``load_state_dict(..., assign=True)``), every call raises.
         counted: predicate on a parameter: does it count toward norms? Default: all do.
             Every gradient is still scaled by clipping (uncounted ones are typically
             duplicates of gradients counted elsewhere).
         align: every gradient starts at a multiple of ``align`` elements.
-        device: where the buffers live. Default: the parameters' device.
+        device: where the buffers live. Default: the parameters' device (the CPU when
+            there are none).
         options: kernel backend and CUDA-graph switches
             (:class:`buffers.options.BufferOptions`; default: all on, ``auto`` backend).
+
+    Raises:
+        ValueError: an iterator that yields no parameter, without ``device`` (an exhausted
+            generator?; an empty list gives empty buffers, norm 0, as torch); a non-leaf
+            tensor; parameters on different devices; parameters of a model wrapped in torch
+            DDP with ``gradient_as_bucket_view=True``.
+        TypeError: a trainable parameter of a dtype without flat buffers (complex, fp8,
+            integer). Construction is all-or-nothing: when it raises, no ``.grad`` has been
+            replaced and no hook added.
     """
 
     def __init__(
@@ -80,52 +79,41 @@ class FlatGradBuffers:
         options: BufferOptions = DEFAULT,
     ) -> None:
         named = _named(params)
+        if not named and device is None and iter(params) is params:
+            raise ValueError(
+                "FlatGradBuffers got an iterator that yields no parameters (an exhausted "
+                "generator? model.parameters() can be iterated only once); to build empty "
+                "buffers on purpose pass a list, or device="
+            )
         self.options = options
-        seen: set[int] = set()
-        self._params: list[tuple[str, torch.Tensor]] = []
-        for name, p in named:
-            if not p.requires_grad or id(p) in seen:
-                continue
-            if not p.is_floating_point():
-                raise TypeError(
-                    f"parameter {name!r} has non-floating dtype {p.dtype} but requires_grad; "
-                    "only floating-point parameters can have gradients"
-                )
-            seen.add(id(p))
-            self._params.append((name, p))
-        self.device = self._pick_device(device)
+        trained, frozen = _sort(named)
+        if named and not trained:
+            warnings.warn(
+                f"none of the {len(named)} parameters given to FlatGradBuffers requires grad: "
+                "the buffers are empty, norms are 0 and clipping does nothing; a parameter "
+                "unfrozen later raises at the first call after it gets a gradient",
+                UserWarning,
+                stacklevel=2,
+            )
+        refuse_bucket_view_ddp(trained)
+        self.device = _pick_device(device, trained)
+        self._names = [name for name, _ in trained]
 
         entries = [
             ParamEntry(n, tuple(p.shape), p.dtype, counted(p) if counted else True)
-            for n, p in self._params
+            for n, p in trained
         ]
         self.plan: LayoutPlan = plan_layout(entries, align)
         self.buffers: dict[torch.dtype, torch.Tensor] = {
             dt: torch.zeros(b.numel, dtype=dt, device=self.device)
             for dt, b in self.plan.buffers.items()
         }
-        self._views: dict[int, torch.Tensor] = {}
-        self._param_by_id = {id(p): p for _, p in self._params}
-        self._escaped: dict[int, str] = {}
         self._checked_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        hooks = []
-        for dt, b in self.plan.buffers.items():
-            for slot in b.slots:
-                name, p = self._params[slot.index]
-                view = self.buffers[dt][slot.offset : slot.offset + slot.numel].view(slot.shape)
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
-                self._views[id(p)] = view
-                hooks.append(
-                    p.register_post_accumulate_grad_hook(
-                        _binding_check(weakref.ref(self), name, view.data_ptr())
-                    )
-                )
-        # The hooks hold these buffers only weakly, so a FlatGradBuffers built again over
-        # the same parameters does not keep this one alive; when this one is collected, or
+        # The hooks hold the watch only weakly, so a FlatGradBuffers built again over the
+        # same parameters does not keep this one alive; when this one is collected, or
         # closed, its hooks go too.
-        self._hooks = weakref.finalize(self, _remove_hooks, hooks)
+        self._watch = BindingWatch()
+        self._bind(trained, frozen)
 
         def views(spans_of):
             return [
@@ -143,35 +131,40 @@ class FlatGradBuffers:
         )
         self._param_pass: ParamNormPass | None = None  # built at the first per_param call
 
-    def _pick_device(self, device) -> torch.device:
-        devices = {p.device for _, p in self._params}
-        if len(devices) > 1:
-            by_dev: dict[torch.device, str] = {}
-            for name, p in self._params:
-                by_dev.setdefault(p.device, name)
-            listing = ", ".join(f"{n!r} on {d}" for d, n in by_dev.items())
-            raise ValueError(
-                f"parameters are on different devices ({listing}); build one "
-                "FlatGradBuffers per device"
-            )
-        if device is None:
-            return devices.pop() if devices else torch.device("cpu")
-        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0"
-        if devices and devices != {device}:
-            raise ValueError(
-                f"device={device} but the parameters are on {devices.pop()}; gradients must "
-                "live on their parameter's device, so leave device=None"
-            )
-        return device
+    def _bind(
+        self, trained: list[tuple[str, torch.Tensor]], frozen: list[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Bind every trained parameter's ``.grad`` and watch the frozen ones, or nothing."""
+        before: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        try:
+            for dt, b in self.plan.buffers.items():
+                for slot in b.slots:
+                    name, p = trained[slot.index]
+                    before.append((p, p.grad))
+                    view = self.buffers[dt][slot.offset : slot.offset + slot.numel]
+                    self._watch.bind(name, p, view.view(slot.shape))
+            for name, p in frozen:
+                self._watch.watch_outsider(
+                    p,
+                    f"parameter {name!r} was frozen (requires_grad=False) when these "
+                    "FlatGradBuffers were built, so it has no place in their buffers; it now "
+                    "receives a gradient that their norm would miss: build a new "
+                    "FlatGradBuffers after unfreezing it",
+                )
+        except BaseException:
+            self._watch.undo(before)
+            raise
+        self._watch.pick_samples()
 
     def close(self) -> None:
         """Remove the hooks these buffers put on the parameters (idempotent).
 
-        The ``.grad`` views stay bound; nothing checks them any more. Also what leaving a
-        ``with FlatGradBuffers(...) as fgb:`` block does, and what happens when these
-        buffers are garbage-collected.
+        Also what leaving a ``with FlatGradBuffers(...) as fgb:`` block does, and what
+        happens when these buffers are garbage-collected. Nothing checks the ``.grad``
+        views any more, so every later norm, clip, count or ``zero_()`` raises: build a new
+        FlatGradBuffers to go on.
         """
-        self._hooks()
+        self._watch.close()
 
     def __enter__(self) -> FlatGradBuffers:
         return self
@@ -179,15 +172,10 @@ class FlatGradBuffers:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _raise_if_escaped(self) -> None:
-        if self._escaped:
-            names = ", ".join(repr(n) for n in self._escaped.values())
-            raise GradientOutsideBufferError(
-                f"the gradient of {names} no longer lives in its flat buffer (was .grad set "
-                "to None, e.g. by zero_grad(set_to_none=True), or reassigned?), so the norm "
-                "would miss it. Zero gradients with FlatGradBuffers.zero_() (or "
-                "zero_grad(set_to_none=False)) instead; zero_() also re-binds them."
-            )
+    def _check_bound(self) -> None:
+        """O(number of buffers): raise if a binding broke (see :mod:`buffers.bindings`)."""
+        if not self._watch.intact():
+            self._watch.raise_broken()
 
     @property
     def nbytes(self) -> int:
@@ -196,58 +184,98 @@ class FlatGradBuffers:
 
     def view(self, p: torch.Tensor) -> torch.Tensor:
         """The gradient view of ``p``: same shape and dtype as ``p``."""
-        try:
-            return self._views[id(p)]
-        except KeyError:
+        b = self._watch.bindings.get(id(p))
+        if b is None or b.ref() is not p:
             raise KeyError(
                 "this parameter has no gradient view here (frozen, or not passed to "
                 "FlatGradBuffers)"
-            ) from None
+            )
+        return b.view
 
     def check_bindings(self) -> None:
-        """Verify every ``.grad`` is still its view (one pass over parameters; not per step)."""
-        for name, p in self._params:
-            if p.grad is None or p.grad.data_ptr() != self._views[id(p)].data_ptr():
-                self._escaped[id(p)] = name
-        self._raise_if_escaped()
+        """Verify every ``.grad`` is still its view (one pass over parameters; not per step).
+
+        Also finds what the per-call check (one parameter per buffer) and the backward hooks
+        cannot see before the next backward: a ``.grad`` changed without a backward, or part
+        of a model converted (``submodule.half()``).
+        """
+        self._watch.check_all()
 
     def zero_(self) -> None:
-        """Zero every buffer (padding included) and re-bind any gradient that escaped."""
+        """Zero every buffer (padding included) and re-bind any gradient that escaped.
+
+        Raises ``GradientOutsideBufferError`` for what re-binding cannot fix (a converted
+        or freed parameter, DDP bucket views, closed buffers).
+        """
         for buf in self.buffers.values():
             buf.zero_()
-        for pid in self._escaped:  # usually empty: no per-parameter work per step
-            self._param_by_id[pid].grad = self._views[pid]
-        self._escaped.clear()
+        if not self._watch.intact():  # usually intact: no per-parameter work per step
+            self._watch.scan()  # find every escaped gradient, not only the sampled one
+            self._watch.rebind()
 
     @overload
     def grad_norm(
-        self, norm_type: float = ..., group=..., per_param: Literal[False] = ...
+        self,
+        norm_type: float = ...,
+        error_if_nonfinite: bool = ...,
+        foreach: bool | None = ...,
+        *,
+        group=...,
+        per_param: Literal[False] = ...,
     ) -> torch.Tensor: ...
     @overload
     def grad_norm(
-        self, norm_type: float = ..., group=..., *, per_param: Literal[True]
+        self,
+        norm_type: float = ...,
+        error_if_nonfinite: bool = ...,
+        foreach: bool | None = ...,
+        *,
+        group=...,
+        per_param: Literal[True],
     ) -> ParamNorms: ...
     def grad_norm(
-        self, norm_type: float = 2.0, group=None, per_param: bool = False
+        self,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+        *,
+        group=None,
+        per_param: bool = False,
     ) -> torch.Tensor | ParamNorms:
         """Norm of the counted gradients, accumulated in fp32 (fp64 buffers in fp64); no sync.
 
+        The positional arguments are those of ``torch.nn.utils.get_total_norm``.
+
         Args:
             norm_type: p > 0, or ``inf``.
-            group: a process group to reduce over (one all-reduce), or None for local.
-            per_param: also every parameter's own norm, from the same single pass over
-                each buffer (:class:`buffers.param_norms.ParamNorms`). With ``group``, the
-                one all-reduce carries the per-parameter vector and the total together;
-                parameters are matched across ranks by name (gathered once per group, at
-                the first such call).
+            error_if_nonfinite: raise if the norm is NaN or inf (this one check syncs).
+            foreach: accepted for torch's argument order; each buffer is always one fused
+                launch. None or a bool.
+            group: keyword-only: a ``torch.distributed.ProcessGroup`` to reduce over (one
+                all-reduce), or None for local.
+            per_param: keyword-only: also every parameter's own norm, from the same single
+                pass over each buffer (:class:`buffers.param_norms.ParamNorms`). With
+                ``group``, the one all-reduce carries the per-parameter vector and the total
+                together; parameters are matched across ranks by name (gathered once per
+                group, at the first such call).
 
         Returns:
             0-dim tensor on the buffers' device: fp32, or fp64 when a counted buffer is
             fp64 (with a group: when one on this rank is). With ``per_param``, a
             :class:`~buffers.param_norms.ParamNorms` whose ``total`` is that tensor.
+
+        Every argument is checked (``TypeError``/``ValueError`` naming it) before any
+        gradient is read.
         """
-        self._raise_if_escaped()
+        _check_call_args(error_if_nonfinite, foreach, group, per_param)
         p = ops.check_norm_type(norm_type)
+        self._check_bound()
+        result = self._norm(p, group, per_param)
+        if error_if_nonfinite:
+            _raise_if_nonfinite(result.total if per_param else result, norm_type)
+        return result
+
+    def _norm(self, p: float, group, per_param: bool) -> torch.Tensor | ParamNorms:
         if per_param:
             return self._param_norms(p, group)
         if group is None:
@@ -260,9 +288,8 @@ class FlatGradBuffers:
     def _param_norms(self, p: float, group) -> ParamNorms:
         """Per-parameter and total norms: one segmented pass per buffer, one all-reduce."""
         if self._param_pass is None:
-            names = [name for name, _ in self._params]
             self._param_pass = ParamNormPass(
-                self.plan, self.buffers, names, self.device, self.options
+                self.plan, self.buffers, self._names, self.device, self.options
             )
         if group is None:
             return self._param_pass.norms(p, self._norm_clip.replay)
@@ -272,69 +299,82 @@ class FlatGradBuffers:
     @overload
     def clip_grad_norm_(
         self,
-        max_norm: float,
+        max_norm: float | torch.Tensor,
         norm_type: float = ...,
-        group=...,
         error_if_nonfinite: bool = ...,
+        foreach: bool | None = ...,
+        *,
+        group=...,
         per_param: Literal[False] = ...,
     ) -> torch.Tensor: ...
     @overload
     def clip_grad_norm_(
         self,
-        max_norm: float,
+        max_norm: float | torch.Tensor,
         norm_type: float = ...,
-        group=...,
         error_if_nonfinite: bool = ...,
+        foreach: bool | None = ...,
         *,
+        group=...,
         per_param: Literal[True],
     ) -> ParamNorms: ...
     def clip_grad_norm_(
         self,
-        max_norm: float,
+        max_norm: float | torch.Tensor,
         norm_type: float = 2.0,
-        group=None,
         error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+        *,
+        group=None,
         per_param: bool = False,
     ) -> torch.Tensor | ParamNorms:
         """Scale all gradients by ``max_norm / (norm + 1e-6)`` when that is below 1.
 
+        The positional arguments are those of ``torch.nn.utils.clip_grad_norm_`` (after its
+        ``parameters``).
+
         Args:
-            max_norm: the norm to clip to, >= 0 (``inf`` never clips); a tensor is read to
-                the host once (``float()``). Negative or NaN: ``ValueError``.
+            max_norm: the norm to clip to, >= 0, any size (``inf``, or beyond the
+                statistic's dtype, never clips); a tensor is read to the host once
+                (``float()``). Negative or NaN: ``ValueError``.
             norm_type: p > 0, or ``inf``.
-            group: a process group to reduce over, or None.
             error_if_nonfinite: raise if the norm is NaN or inf (this one check syncs).
-            per_param: return the pre-clip per-parameter norms too (as
+            foreach: accepted for torch's argument order; unused (None or a bool).
+            group: keyword-only: a ``torch.distributed.ProcessGroup`` to reduce over, or
+                None.
+            per_param: keyword-only: return the pre-clip per-parameter norms too (as
                 :meth:`grad_norm` with ``per_param=True``); the scale is then its own
                 launch per buffer after them.
 
         Returns:
             The pre-clip norm, a 0-dim device tensor: fp32, or fp64 when a counted buffer
             is fp64. With ``per_param``: the pre-clip :class:`ParamNorms`.
+
+        Every argument is checked (``TypeError``/``ValueError`` naming it) before any
+        gradient is read or scaled.
         """
+        _check_call_args(error_if_nonfinite, foreach, group, per_param)
         max_norm = ops.check_max_norm(max_norm)
+        p = ops.check_norm_type(norm_type)
+        self._check_bound()
         if not (error_if_nonfinite or per_param):
-            self._raise_if_escaped()
-            p = ops.check_norm_type(norm_type)
             if group is None:
-                return self._norm_clip.clip_(float(max_norm), p)
+                return self._norm_clip.clip_(max_norm, p)
             reducer = graphs.GroupReducer(p, group, self.device, self.options)
-            return self._norm_clip.clip_reduced_(float(max_norm), p, *reducer.args())
-        result = self.grad_norm(norm_type, group, per_param=per_param)
+            return self._norm_clip.clip_reduced_(max_norm, p, *reducer.args())
+        result = self._norm(p, group, per_param)
         total = result.total if per_param else result
-        if error_if_nonfinite and not torch.isfinite(total).item():
-            raise RuntimeError(
-                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
-                "cannot be clipped; pass error_if_nonfinite=False to scale by NaN/0 instead"
-            )
-        self._norm_clip.scale_by_norm_(total, float(max_norm))
+        if error_if_nonfinite:
+            _raise_if_nonfinite(total, norm_type)
+        self._norm_clip.scale_by_norm_(total, max_norm)
         return result
 
     def clipped_step(
         self,
         optimizer: torch.optim.Optimizer,
-        max_norm: float,
+        max_norm: float | torch.Tensor,
         norm_type: float = 2.0,
+        *,
         group=None,
         fold: bool = False,
     ) -> torch.Tensor:
@@ -350,19 +390,24 @@ class FlatGradBuffers:
         explicit clip (2.5 ms against 1.6 ms on top of the step for 2 GiB of gradients), so
         it is off by default. Otherwise, and for any other optimizer: ``clip_grad_norm_``
         and then ``step()``. Either way every parameter the optimizer holds must have its
-        gradient in these buffers, or the norm would not count it (``ValueError``).
-        ``max_norm`` is checked as in :meth:`clip_grad_norm_`, before anything runs.
+        gradient in these buffers, or the norm would not count it (``ValueError``); this is
+        checked again whenever the optimizer's parameters change (one pass over their ids
+        per call), and an optimizer parameter that is frozen now is watched by a hook.
+        ``group`` and ``fold`` are keyword-only; every argument is checked as in
+        :meth:`clip_grad_norm_`, before anything runs.
         """
+        ops.check_group(group)
+        ops.check_flag(fold, "fold")
         max_norm = ops.check_max_norm(max_norm)
+        p = ops.check_norm_type(norm_type)
+        self._check_bound()
         self._check_optimizer_params(optimizer)
         if not (fold and self._can_fold(optimizer)):
-            total = self.clip_grad_norm_(max_norm, norm_type, group)
+            total = self.clip_grad_norm_(max_norm, p, group=group)
             optimizer.step()
             return total
-        self._raise_if_escaped()
-        p = ops.check_norm_type(norm_type)
-        given = None if group is None else self.grad_norm(p, group)
-        total = self._norm_clip.fold_(float(max_norm), p, given)
+        given = None if group is None else self._norm(p, group, False)
+        total = self._norm_clip.fold_(max_norm, p, given)
         optimizer.grad_scale = self._norm_clip.inverse_coeff
         try:
             optimizer.step()
@@ -379,23 +424,46 @@ class FlatGradBuffers:
         return all(g.get("fused") for g in optimizer.param_groups)
 
     def _check_optimizer_params(self, optimizer) -> None:
-        count = sum(len(g["params"]) for g in optimizer.param_groups)
-        if self._checked_optimizers.get(optimizer) == count:
-            return  # checked before, and no parameter added since
+        # Compared parameter by parameter (identity, one C-level pass), not by count: a
+        # parameter replaced in a group keeps the count. Our parameters are alive (a freed
+        # one raised above), so an id found in the bindings is that parameter.
+        groups = [g["params"] for g in optimizer.param_groups]
+        if _same_objects(self._checked_optimizers.get(optimizer), groups):
+            return
+        watch = self._watch
         for gi, g in enumerate(optimizer.param_groups):
             for pi, q in enumerate(g["params"]):
-                if q.requires_grad and id(q) not in self._param_by_id:
+                if id(q) in watch.bindings:
+                    continue
+                where = (
+                    f"optimizer parameter {pi} of param group {gi} (shape {tuple(q.shape)}, "
+                    f"{q.dtype})"
+                )
+                outsider = watch.outsiders.get(id(q))
+                if outsider is not None and outsider[0]() is q and q.requires_grad:
+                    raise ValueError(f"{where}: {outsider[1]}")
+                if q.requires_grad:
                     raise ValueError(
-                        f"optimizer parameter {pi} of param group {gi} (shape "
-                        f"{tuple(q.shape)}, {q.dtype}) is not in these FlatGradBuffers, so "
-                        "the norm would not count its gradient; build FlatGradBuffers over "
-                        "every parameter the optimizer updates"
+                        f"{where} is not in these FlatGradBuffers, so the norm would not count "
+                        "its gradient; build FlatGradBuffers over every parameter the "
+                        "optimizer updates"
                     )
-        self._checked_optimizers[optimizer] = count
+                if not q.is_inference():
+                    watch.watch_outsider(
+                        q,
+                        f"{where} is not in these FlatGradBuffers; it was frozen when checked "
+                        "and now receives a gradient that their norm would miss: build "
+                        "FlatGradBuffers over every parameter the optimizer updates",
+                    )
+        self._checked_optimizers[optimizer] = [list(g) for g in groups]
 
-    def count_zeros(self, group=None) -> torch.Tensor:
-        """Number of zero elements among counted gradients (padding excluded), int64."""
-        self._raise_if_escaped()
+    def count_zeros(self, *, group=None) -> torch.Tensor:
+        """Number of zero elements among counted gradients (padding excluded), int64.
+
+        ``group`` (keyword-only): a ``torch.distributed.ProcessGroup`` to sum over, or None.
+        """
+        ops.check_group(group)
+        self._check_bound()
         zeros = ops.count_zeros_groups(self._norm_groups, self._norm_padding, self.device)
         if group is not None:
             import torch.distributed as dist
@@ -405,4 +473,75 @@ class FlatGradBuffers:
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{dt}: {b.numel}" for dt, b in self.plan.buffers.items())
-        return f"FlatGradBuffers({len(self._params)} params; {sizes}; {self.nbytes} bytes)"
+        return f"FlatGradBuffers({len(self._names)} params; {sizes}; {self.nbytes} bytes)"
+
+
+def _sort(
+    named: list[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """``(trained, frozen)``, each parameter once; every trained one checked first."""
+    seen: set[int] = set()
+    trained, frozen = [], []
+    for name, p in named:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if not p.is_leaf:
+            raise ValueError(
+                f"parameter {name!r} is not a leaf tensor (it was computed by "
+                f"{type(p.grad_fn).__name__}), so backward never fills its .grad: pass the "
+                "parameters themselves (e.g. model.named_parameters())"
+            )
+        if p.requires_grad:
+            check_grad_dtype(p.dtype, f"parameter {name!r}")
+            trained.append((name, p))
+        elif (p.is_floating_point() or p.is_complex()) and not p.is_inference():
+            frozen.append((name, p))  # could be unfrozen later: watched by a hook
+    return trained, frozen
+
+
+def _pick_device(device, trained: list[tuple[str, torch.Tensor]]) -> torch.device:
+    devices = {p.device for _, p in trained}
+    if len(devices) > 1:
+        by_dev: dict[torch.device, str] = {}
+        for name, p in trained:
+            by_dev.setdefault(p.device, name)
+        listing = ", ".join(f"{n!r} on {d}" for d, n in by_dev.items())
+        raise ValueError(
+            f"parameters are on different devices ({listing}); build one FlatGradBuffers per device"
+        )
+    if device is None:
+        return devices.pop() if devices else torch.device("cpu")
+    device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0"
+    if devices and devices != {device}:
+        raise ValueError(
+            f"device={device} but the parameters are on {devices.pop()}; gradients must "
+            "live on their parameter's device, so leave device=None"
+        )
+    return device
+
+
+def _same_objects(checked: list[list] | None, groups: list[list]) -> bool:
+    """Whether ``groups`` hold exactly the objects ``checked`` does, in the same order."""
+    if checked is None or len(checked) != len(groups):
+        return False
+    return all(
+        len(c) == len(g) and all(map(operator.is_, c, g))
+        for c, g in zip(checked, groups, strict=True)
+    )
+
+
+def _check_call_args(error_if_nonfinite, foreach, group, per_param) -> None:
+    """The non-tensor arguments of a norm or clip, checked before any gradient is read."""
+    ops.check_flag(error_if_nonfinite, "error_if_nonfinite")
+    ops.check_foreach(foreach)
+    ops.check_group(group)
+    ops.check_flag(per_param, "per_param")
+
+
+def _raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:
+    if not torch.isfinite(total).item():
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+            "cannot be clipped; pass error_if_nonfinite=False to scale by NaN/0 instead"
+        )

@@ -193,7 +193,7 @@ def test_lazy_view_copies_once_and_only_when_read():
 
 
 def test_result_holds_device_tensors_until_read(device):
-    fgb, _, _ = build(device, seed=8)
+    fgb, _params, _ = build(device, seed=8)  # buffers hold parameters weakly: keep them
     res = fgb.grad_norm(per_param=True)
     view = res.as_dict()
     assert isinstance(view.tensor, torch.Tensor) and view.tensor is res.norms

@@ -215,9 +215,9 @@ def test_empty_gives_zero_norm():
 
 def test_bad_inputs_name_the_parameter():
     ok = torch.nn.Parameter(torch.zeros(2))
-    # integer tensors cannot require grad; complex ones can, and are not floating point
+    # integer tensors cannot require grad; complex ones can, and have no flat buffer
     cplx = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
-    with pytest.raises(TypeError, match="'rot'.*non-floating dtype torch.complex64"):
+    with pytest.raises(TypeError, match="'rot'.*dtype torch.complex64.*accepted dtypes"):
         FlatGradBuffers([("ok", ok), ("rot", cplx)])
     with pytest.raises(TypeError, match="params\\[1\\].*float8_e4m3fn.*accepted dtypes"):
         FlatGradBuffers([ok, torch.nn.Parameter(torch.zeros(2).to(torch.float8_e4m3fn))])

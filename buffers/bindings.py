@@ -1,0 +1,292 @@
+"""Each parameter's ``.grad`` bound to its view of a flat buffer, and what breaks a binding.
+
+A norm over the flat buffers is the norm of the gradients only while every trained
+parameter's ``.grad`` is its view. That breaks when ``.grad`` is set to None or reassigned,
+when the model is converted after the buffers were built (``model.half()`` replaces each
+``.grad``'s storage), when a parameter frozen at build starts training, when the model is
+re-created (the old parameters are freed: they are held weakly here), when torch DDP with
+``gradient_as_bucket_view=True`` moves ``.grad`` into its buckets, or after ``close()``.
+
+None of that is checked per parameter per step. Post-accumulate hooks notice a broken
+binding during the backward that writes the gradient elsewhere; a weak reference notices
+a freed parameter; each call checks one parameter per buffer (O(buffers), which catches a
+whole-model conversion or ``zero_grad(set_to_none=True)`` before any backward); and
+:meth:`BindingWatch.check_all` walks every parameter where the caller asks for it. What
+broke and what to do is worked out only when there is something to report.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+class GradientOutsideBufferError(RuntimeError):
+    """A parameter's ``.grad`` no longer lives in its flat buffer, so a norm would miss it."""
+
+
+@dataclass(eq=False)
+class Binding:
+    """One trained parameter (held weakly) and the view its ``.grad`` must be."""
+
+    name: str
+    pid: int  # id() of the parameter while it lives
+    ref: weakref.ref
+    dtype: torch.dtype
+    shape: torch.Size
+    device: torch.device
+    view: torch.Tensor
+    ptr: int  # the view's address when bound: `.grad.data = ...` changes the view in place
+
+
+def bucket_view_ddps() -> list:
+    """Live torch ``DistributedDataParallel`` modules with ``gradient_as_bucket_view=True``.
+
+    DDP keeps no registry of its instances and marks no parameter, so this walks the
+    objects the garbage collector tracks (tens to hundreds of milliseconds in a large
+    program): called only at construction while a process group exists (DDP needs one),
+    and on the error path.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    from torch.nn.parallel import DistributedDataParallel
+
+    kinds: dict[type, bool] = {}
+    found = []
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance: some lazy objects resolve __class__ on access
+        is_ddp = kinds.get(kind)
+        if is_ddp is None:
+            is_ddp = kinds[kind] = issubclass(kind, DistributedDataParallel)
+        if is_ddp and getattr(obj, "gradient_as_bucket_view", False):
+            found.append(obj)
+    return found
+
+
+BUCKET_VIEW_FIX = (
+    "wrap the model with gradient_as_bucket_view=False (DDP's default; DDP then copies the "
+    "reduced gradients back into these buffers)"
+)
+
+
+def bucket_view_param_ids() -> set[int]:
+    """ids of the parameters of :func:`bucket_view_ddps`' modules."""
+    return {id(p) for ddp in bucket_view_ddps() for p in ddp.parameters()}
+
+
+def refuse_bucket_view_ddp(named: list[tuple[str, torch.Tensor]]) -> None:
+    """``ValueError`` if a DDP module with bucket-view gradients holds one of ``named``."""
+    wrapped = bucket_view_param_ids()
+    for name, p in named:
+        if id(p) in wrapped:
+            raise ValueError(
+                f"parameter {name!r} belongs to a model wrapped in torch "
+                "DistributedDataParallel with gradient_as_bucket_view=True, which points .grad "
+                f"into DDP's own buckets where these buffers cannot see it: {BUCKET_VIEW_FIX}"
+            )
+
+
+def _remove_hooks(hooks: list) -> None:
+    for handle in hooks:
+        handle.remove()
+    hooks.clear()
+
+
+def _hook_on_frozen(p: torch.Tensor, hook: Callable) -> object:
+    """Register a post-accumulate hook on a frozen leaf: it fires if ``p`` is unfrozen.
+
+    torch refuses hooks on tensors that do not require grad, but keeps one registered while
+    they did: requires_grad is switched on for the registration only.
+    """
+    p.requires_grad_(True)
+    try:
+        return p.register_post_accumulate_grad_hook(hook)
+    finally:
+        p.requires_grad_(False)
+
+
+class BindingWatch:
+    """The bindings of one FlatGradBuffers, the hooks that watch them, and what broke."""
+
+    def __init__(self) -> None:
+        self.bindings: dict[int, Binding] = {}
+        self.samples: list[Binding] = []  # one per buffer, checked on every call
+        # Parameters watched by a hook for ever getting a gradient: frozen at build (the
+        # reason says so) or stepped by an optimizer without being in these buffers.
+        self.outsiders: dict[int, tuple[weakref.ref, str]] = {}
+        self.broken: dict[int, None] = {}  # ids of parameters to diagnose, in order found
+        self.closed = False
+        self.hooks: list = []
+        self._finalizer = weakref.finalize(self, _remove_hooks, self.hooks)
+
+    # --- building -------------------------------------------------------------------------
+
+    def bind(self, name: str, p: torch.Tensor, view: torch.Tensor) -> None:
+        """Point ``p.grad`` at ``view`` (copying an existing gradient) and hook it."""
+        pid = id(p)
+        mine = weakref.ref(self)
+        ptr = view.data_ptr()
+
+        def check(q: torch.Tensor) -> None:
+            watch = mine()
+            if watch is not None and (q.grad is None or q.grad.data_ptr() != ptr):
+                watch.broken[pid] = None
+
+        def freed(_ref, pid=pid) -> None:
+            watch = mine()
+            if watch is not None:
+                watch.broken[pid] = None
+
+        if p.grad is not None:
+            view.copy_(p.grad)
+        self.hooks.append(p.register_post_accumulate_grad_hook(check))
+        p.grad = view
+        self.bindings[pid] = Binding(
+            name, pid, weakref.ref(p, freed), p.dtype, p.shape, p.device, view, ptr
+        )
+
+    def watch_outsider(self, p: torch.Tensor, reason: str) -> None:
+        """Report ``reason`` if frozen ``p`` ever receives a gradient."""
+        pid = id(p)
+        if pid in self.outsiders:
+            return
+        mine = weakref.ref(self)
+
+        def received(q: torch.Tensor) -> None:
+            watch = mine()
+            if watch is not None and q.grad is not None:
+                watch.broken[pid] = None
+
+        self.hooks.append(_hook_on_frozen(p, received))
+        self.outsiders[pid] = (weakref.ref(p), reason)
+
+    def undo(self, grads: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """Put back ``(parameter, .grad)`` pairs and remove every hook (a failed build)."""
+        for p, grad in grads:
+            p.grad = grad
+        _remove_hooks(self.hooks)
+
+    def pick_samples(self) -> None:
+        """Check one parameter per buffer on every call: the first of each dtype."""
+        firsts: dict[torch.dtype, Binding] = {}
+        for b in self.bindings.values():
+            if b.view.numel():
+                firsts.setdefault(b.dtype, b)
+        self.samples = list(firsts.values())
+
+    # --- checking -------------------------------------------------------------------------
+
+    def intact(self) -> bool:
+        """The per-call check: nothing reported broken, and each sample still bound."""
+        if self.broken or self.closed:
+            return False
+        for b in self.samples:
+            p = b.ref()
+            grad = None if p is None else p.grad
+            if grad is None or grad.data_ptr() != b.ptr:
+                self.broken[b.pid] = None
+                return False
+        return True
+
+    def check_all(self) -> None:
+        """Every parameter, once (``check_bindings``); raises what :meth:`raise_broken` does."""
+        self.scan()
+        if not self.intact():
+            self.raise_broken()
+
+    def scan(self) -> None:
+        """Mark every broken binding, one pass over the parameters."""
+        for pid, b in self.bindings.items():
+            p = b.ref()
+            if p is None or p.grad is None or p.grad.data_ptr() != b.ptr or p.dtype != b.dtype:
+                self.broken[pid] = None
+        for pid, (ref, _) in self.outsiders.items():
+            p = ref()
+            if p is not None and p.requires_grad and p.grad is not None:
+                self.broken[pid] = None
+
+    def close(self) -> None:
+        self._finalizer()
+        self.closed = True
+
+    # --- reporting ------------------------------------------------------------------------
+
+    def diagnose(self, pid: int, wrapped: Callable[[], set[int]]) -> tuple[bool, str]:
+        """``(fatal, message)`` for a broken binding; fatal ones ``zero_()`` cannot repair.
+
+        ``wrapped``: :func:`bucket_view_param_ids`, memoised by the caller (one walk of
+        the garbage collector's objects per report, not per parameter).
+        """
+        if pid in self.outsiders:
+            return True, self.outsiders[pid][1]
+        b = self.bindings[pid]
+        p = b.ref()
+        if p is None:
+            return True, (
+                f"parameter {b.name!r} was freed after these FlatGradBuffers were built (was "
+                "the model re-created, or its parameters replaced, e.g. by "
+                "load_state_dict(..., assign=True)?), so they no longer hold the gradients "
+                "being trained: build a new FlatGradBuffers over the current parameters"
+            )
+        was, now = (b.dtype, b.device, b.shape), (p.dtype, p.device, p.shape)
+        if was != now:
+            return True, (
+                f"parameter {b.name!r} changed from {_describe(*was)} to {_describe(*now)} "
+                "after these FlatGradBuffers were built (model.half(), .double(), .to(...)?), "
+                "so its gradient is no longer in their buffers: convert the model first, then "
+                "build a new FlatGradBuffers"
+            )
+        if b.view.data_ptr() != b.ptr:
+            return True, (
+                f"the storage of parameter {b.name!r}'s gradient was replaced (.grad.data "
+                "assigned, e.g. by module.to(memory_format=...)?): build a new FlatGradBuffers "
+                "after changing the model"
+            )
+        grad = p.grad
+        if grad is not None and grad._base is not None and id(p) in wrapped():
+            return True, (
+                f"the gradient of {b.name!r} was moved into a bucket of torch "
+                "DistributedDataParallel (gradient_as_bucket_view=True), where these buffers "
+                f"cannot see it: {BUCKET_VIEW_FIX}"
+            )
+        return False, (
+            f"the gradient of {b.name!r} no longer lives in its flat buffer (was .grad set "
+            "to None, e.g. by zero_grad(set_to_none=True), or reassigned?), so the norm would "
+            "miss it. Zero gradients with FlatGradBuffers.zero_() (or "
+            "zero_grad(set_to_none=False)) instead; zero_() also re-binds them."
+        )
+
+    def raise_broken(self) -> None:
+        if self.closed:
+            raise GradientOutsideBufferError(
+                "these FlatGradBuffers were closed (close(), or the end of their with block): "
+                "their hooks are gone, so a gradient set to None or replaced since would be "
+                "missed without a word: build a new FlatGradBuffers"
+            )
+        wrapped = functools.cache(bucket_view_param_ids)
+        found = [self.diagnose(pid, wrapped) for pid in self.broken]
+        found.sort(key=lambda f: not f[0])  # what zero_() cannot fix first
+        messages = list(dict.fromkeys(m for _, m in found))
+        more = f"; and {len(messages) - 3} more like these" if len(messages) > 3 else ""
+        raise GradientOutsideBufferError("; ".join(messages[:3]) + more)
+
+    def rebind(self) -> None:
+        """Point every broken gradient back at its view, or raise if one cannot be."""
+        wrapped = functools.cache(bucket_view_param_ids)
+        if self.closed or any(self.diagnose(pid, wrapped)[0] for pid in self.broken):
+            self.raise_broken()
+        for pid in self.broken:
+            b = self.bindings[pid]
+            b.ref().grad = b.view
+        self.broken.clear()
+
+
+def _describe(dtype: torch.dtype, device: torch.device, shape: torch.Size) -> str:
+    return f"{dtype} {tuple(shape)} on {device}"

@@ -1,0 +1,294 @@
+"""The model changes after FlatGradBuffers is built: torch's numbers, or an error that says why.
+
+Each case either gives the norm, clip and zero count torch.nn.utils gives over the real
+``.grad`` tensors, or raises at the first call that can see the change, naming the
+parameter and what to do. Never a silent 0.
+"""
+
+import gc
+import math
+
+import pytest
+import torch
+
+from buffers import FlatGradBuffers, GradientOutsideBufferError
+
+BF16 = torch.bfloat16
+TOL = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-6, torch.float64: 1e-12}
+
+
+def model(seed=0, dtype=BF16):
+    """A bf16 Linear (weight and bias) and an fp32 "sink": two buffers."""
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32, dtype=dtype))
+    net.register_parameter("sink", torch.nn.Parameter(torch.randn(32)))
+    return net
+
+
+def backward(net, seed):
+    dtype = net[0].weight.dtype
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    (net(x).float() * net.sink.float()).square().sum().backward()
+
+
+def assert_like_torch(fgb, net, max_norm=1.0, norm_type=2.0):
+    """Norm, zero count and clip against torch.nn.utils over the real .grad tensors."""
+    params = [p for p in net.parameters() if p.grad is not None]
+    grads = [p.grad.clone() for p in params]
+    want = torch.nn.utils.get_total_norm([g.double() for g in grads], norm_type).item()
+    zeros = sum(int((g == 0).sum()) for g in grads)
+    assert fgb.count_zeros().item() == zeros
+    assert fgb.grad_norm(norm_type).item() == pytest.approx(want, rel=1e-5)
+    # torch's clip over fp64 copies: its own bf16 per-tensor norms are off by ~1e-3, ours
+    # accumulate in fp32, so the exact coefficient is the reference
+    twins = [torch.nn.Parameter(g.double()) for g in grads]
+    for t, g in zip(twins, grads, strict=True):
+        t.grad = g.double()
+    torch.nn.utils.clip_grad_norm_(twins, max_norm, norm_type)
+    got = fgb.clip_grad_norm_(max_norm, norm_type)
+    assert got.item() == pytest.approx(want, rel=1e-5)
+    for p, t in zip(params, twins, strict=True):
+        tol = TOL[p.dtype]
+        torch.testing.assert_close(p.grad.double(), t.grad, rtol=tol, atol=1e-30)
+
+
+def every_call(fgb):
+    """Each call that must refuse, as a zero-argument function."""
+    return {
+        "grad_norm": fgb.grad_norm,
+        "clip_grad_norm_": lambda: fgb.clip_grad_norm_(1.0),
+        "count_zeros": fgb.count_zeros,
+        "zero_": fgb.zero_,
+        "per_param": lambda: fgb.grad_norm(per_param=True),
+        "check_bindings": fgb.check_bindings,
+    }
+
+
+def assert_every_call_raises(fgb, match):
+    for name, call in every_call(fgb).items():
+        with pytest.raises(GradientOutsideBufferError, match=match):
+            call()
+            pytest.fail(f"{name} did not raise")
+
+
+# --- a parameter frozen at build, unfrozen later -------------------------------------------
+
+
+def test_frozen_at_build_then_unfrozen_raises_at_the_first_call_after_its_gradient():
+    net = model()
+    net[0].bias.requires_grad_(False)
+    fgb = FlatGradBuffers(net.named_parameters())
+    assert not net[0].bias.requires_grad  # the hook's registration left it frozen
+    fgb.zero_()
+    backward(net, 1)
+    assert_like_torch(fgb, net)  # frozen: no gradient, counted by neither
+
+    net[0].bias.requires_grad_(True)
+    fgb.zero_()
+    backward(net, 2)
+    assert net[0].bias.grad is not None  # torch would count it
+    assert_every_call_raises(fgb, r"'0\.bias' was frozen .*build a new FlatGradBuffers")
+
+    rebuilt = FlatGradBuffers(net.named_parameters())
+    rebuilt.zero_()
+    backward(net, 3)
+    assert_like_torch(rebuilt, net)
+
+
+def test_clipped_step_refuses_an_unfrozen_parameter_before_stepping_it():
+    net = model()
+    net.sink.requires_grad_(False)
+    fgb = FlatGradBuffers(net.named_parameters())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    backward(net, 1)
+    fgb.clipped_step(opt, 1.0)
+    net.sink.requires_grad_(True)
+    fgb.zero_()
+    backward(net, 2)
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(GradientOutsideBufferError, match=r"'sink' was frozen"):
+        fgb.clipped_step(opt, 1.0)
+    for p, b in zip(net.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), b)
+
+
+# --- clipped_step's optimizer check ------------------------------------------------------------
+
+
+def test_clipped_step_rechecks_when_a_parameter_is_replaced_or_added():
+    net = model()
+    fgb = FlatGradBuffers(net.named_parameters())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    backward(net, 1)
+    fgb.clipped_step(opt, 1.0)
+    group = opt.param_groups[0]["params"]
+    stranger = torch.nn.Parameter(torch.zeros(3))
+    mine, group[0] = group[0], stranger  # same count of parameters
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 0 \(shape \(3,\)"):
+        fgb.clipped_step(opt, 1.0)
+    group[0] = mine
+    fgb.clipped_step(opt, 1.0)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(5))]})
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 1 \(shape \(5,\)"):
+        fgb.clipped_step(opt, 1.0)
+
+
+def test_a_frozen_optimizer_parameter_outside_the_buffers_is_watched():
+    net = model()
+    net.sink.requires_grad_(False)
+    fgb = FlatGradBuffers(net[0].named_parameters())  # the sink is not given at all
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    backward(net, 1)
+    fgb.clipped_step(opt, 1.0)  # frozen: accepted, and watched from now on
+    assert not net.sink.requires_grad
+    net.sink.requires_grad_(True)
+    fgb.zero_()
+    backward(net, 2)
+    sink = net.sink.detach().clone()
+    with pytest.raises(GradientOutsideBufferError, match=r"group 0 \(shape \(32,\).*frozen when"):
+        fgb.clipped_step(opt, 1.0)
+    assert torch.equal(net.sink.detach(), sink)
+
+
+# --- the model converted after build --------------------------------------------------------
+
+CONVERSIONS = {
+    "half": lambda m: m.half(),
+    "to_float16": lambda m: m.to(torch.float16),
+    "double": lambda m: m.double(),
+    "to_bfloat16": lambda m: m.to(torch.bfloat16),  # only the fp32 sink changes
+}
+
+
+@pytest.mark.parametrize("convert", CONVERSIONS)
+@pytest.mark.parametrize(
+    "first", ["backward", "grad_norm", "clip_grad_norm_", "zero_", "check_bindings"]
+)
+def test_conversion_after_build_raises_at_the_first_call(convert, first):
+    net = model()
+    fgb = FlatGradBuffers(net.named_parameters())
+    backward(net, 1)
+    CONVERSIONS[convert](net)
+    if first == "backward":
+        backward(net, 2)
+        call = every_call(fgb)["clip_grad_norm_"]
+    else:
+        call = every_call(fgb)[first]
+    with pytest.raises(GradientOutsideBufferError, match=r"changed from torch\.\w+ .*convert"):
+        call()
+
+
+def test_a_converted_part_of_the_model_is_found_by_check_bindings_or_the_next_backward():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    fgb = FlatGradBuffers(net.named_parameters())
+    net[1].double()  # not the sampled first parameter of the fp32 buffer
+    with pytest.raises(GradientOutsideBufferError, match=r"'1\.weight' changed from"):
+        fgb.check_bindings()
+    x = torch.randn(3, 8)
+    net[1](net[0](x).double()).sum().backward()
+    with pytest.raises(GradientOutsideBufferError, match=r"'1\.weight' changed from"):
+        fgb.clip_grad_norm_(1.0)
+
+
+def test_converted_then_rebuilt_matches_torch():
+    net = model()
+    net.double()
+    fgb = FlatGradBuffers(net.named_parameters())
+    for step in range(3):
+        fgb.zero_()
+        backward(net, step)
+        assert_like_torch(fgb, net, max_norm=0.5)
+
+
+# --- close() -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["close", "with"])
+def test_every_call_after_close_raises(how):
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if how == "close":
+        fgb = FlatGradBuffers(net.named_parameters())
+        fgb.close()
+    else:
+        with FlatGradBuffers(net.named_parameters()) as fgb:
+            backward(net, 0)
+            assert_like_torch(fgb, net)
+    opt.zero_grad()
+    backward(net, 1)
+    assert_every_call_raises(fgb, "were closed")
+
+
+# --- the model re-created, or its parameters replaced ----------------------------------------
+
+
+def test_old_buffers_after_the_model_was_recreated_raise():
+    net = model()
+    fgb = FlatGradBuffers(net.named_parameters())
+    backward(net, 0)
+    net = model(seed=1)  # the old parameters are freed: the buffers held them weakly
+    gc.collect()
+    backward(net, 1)
+    assert_every_call_raises(fgb, r"'0\.weight' was freed .*re-created")
+
+
+def test_load_state_dict_with_assign_raises():
+    net = model()
+    fgb = FlatGradBuffers(net.named_parameters())
+    state = {k: v.clone() for k, v in model(seed=2).state_dict().items()}
+    net.load_state_dict(state, assign=True)
+    gc.collect()
+    backward(net, 1)
+    assert_every_call_raises(fgb, r"was freed .*assign=True")
+    rebuilt = FlatGradBuffers(net.named_parameters())
+    rebuilt.zero_()
+    backward(net, 2)
+    assert_like_torch(rebuilt, net)
+
+
+def test_load_state_dict_in_place_keeps_working():
+    net = model()
+    fgb = FlatGradBuffers(net.named_parameters())
+    net.load_state_dict(model(seed=3).state_dict())  # copies into the same parameters
+    fgb.zero_()
+    backward(net, 1)
+    assert_like_torch(fgb, net)
+
+
+# --- gradients set to None before any backward -----------------------------------------------
+
+
+def test_set_to_none_without_backward_raises_and_zero_rebinds_every_parameter():
+    net = model()
+    fgb = FlatGradBuffers(net.named_parameters())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    backward(net, 0)
+    opt.zero_grad()  # set_to_none: torch's norm would now be 0, the buffers still hold it
+    with pytest.raises(GradientOutsideBufferError, match="set to None"):
+        fgb.clip_grad_norm_(1.0)
+    fgb.zero_()  # re-binds all of them, not only the one the per-call check samples
+    assert all(p.grad is fgb.view(p) for p in net.parameters())
+    backward(net, 1)
+    assert_like_torch(fgb, net)
+
+
+def test_torch_numbers_over_several_steps_with_sgd():
+    net = model(seed=4)
+    fgb = FlatGradBuffers(net.named_parameters())
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    for step in range(4):
+        fgb.zero_()
+        backward(net, 10 + step)
+        assert_like_torch(fgb, net, max_norm=[0.1, 1e3, 1.0, math.inf][step])
+        opt.step()
+
+
+def test_a_report_over_many_parameters_stays_short():
+    net = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(300)))
+    fgb = FlatGradBuffers(net.named_parameters())
+    net.double()
+    net(torch.randn(1, 2, dtype=torch.float64)).sum().backward()
+    with pytest.raises(GradientOutsideBufferError, match="and 597 more like these") as info:
+        fgb.clip_grad_norm_(1.0)
+    assert len(str(info.value)) < 1500
