@@ -41,7 +41,18 @@ class Binding:
     shape: torch.Size
     device: torch.device
     view: torch.Tensor
-    ptr: int  # the view's address when bound: `.grad.data = ...` changes the view in place
+    root: torch.Tensor  # the flat buffer the view is part of
+    offset: int  # bytes from the buffer's start to the view's
+
+    @property
+    def ptr(self) -> int:
+        """Where the gradient must be now: the buffer's address plus the view's offset.
+
+        From the buffer's current address, so a buffer whose storage is freed and
+        reallocated under the same tensors (megatron-core's offload_grad_buffers /
+        restore_grad_buffers) stays bound; ``.grad.data = ...`` moves the view away.
+        """
+        return self.root.data_ptr() + self.offset
 
 
 def bucket_view_ddps() -> list:
@@ -132,11 +143,14 @@ class BindingWatch:
         """Point ``p.grad`` at ``view`` (copying an existing gradient) and hook it."""
         pid = id(p)
         mine = weakref.ref(self)
-        ptr = view.data_ptr()
+        root = view._base if view._base is not None else view
+        offset = view.data_ptr() - root.data_ptr()
 
         def check(q: torch.Tensor) -> None:
             watch = mine()
-            if watch is not None and (q.grad is None or q.grad.data_ptr() != ptr):
+            if watch is not None and (
+                q.grad is None or q.grad.data_ptr() != root.data_ptr() + offset
+            ):
                 watch.broken[pid] = None
 
         def freed(_ref, pid=pid) -> None:
@@ -149,7 +163,7 @@ class BindingWatch:
         self.hooks.append(p.register_post_accumulate_grad_hook(check))
         p.grad = view
         self.bindings[pid] = Binding(
-            name, pid, weakref.ref(p, freed), p.dtype, p.shape, p.device, view, ptr
+            name, pid, weakref.ref(p, freed), p.dtype, p.shape, p.device, view, root, offset
         )
 
     def watch_outsider(self, p: torch.Tensor, reason: str) -> None:

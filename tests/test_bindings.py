@@ -292,3 +292,33 @@ def test_a_report_over_many_parameters_stays_short():
     with pytest.raises(GradientOutsideBufferError, match="and 597 more like these") as info:
         fgb.clip_grad_norm_(1.0)
     assert len(str(info.value)) < 1500
+
+
+def test_buffer_storage_freed_and_reallocated_under_the_views_stays_bound():
+    # megatron-core's offload_grad_buffers / restore_grad_buffers: the same tensors, new memory
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 7)]
+    fgb = FlatGradBuffers(params)
+    sum((p * p).sum() for p in params).backward()
+    for buf in fgb.buffers.values():
+        storage = buf.untyped_storage()
+        nbytes = storage.nbytes()
+        before = buf.data_ptr()
+        storage.resize_(0)
+        blocker = torch.empty(nbytes, dtype=torch.uint8)  # keep the old block taken
+        storage.resize_(nbytes)
+        assert blocker.numel() and buf.data_ptr() != before
+    fgb.zero_()
+    sum((p * p * p).sum() for p in params).backward()
+    want = torch.nn.utils.get_total_norm([p.grad.double() for p in params])
+    assert float(fgb.grad_norm()) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_a_gradient_whose_data_is_reassigned_is_found():
+    # `.grad.data = ...` (e.g. module.to(memory_format=...)) moves the bound view itself
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 7)]
+    fgb = FlatGradBuffers(params)
+    sum((p * p).sum() for p in params).backward()
+    params[0].grad.data = torch.zeros(5)
+    with pytest.raises(GradientOutsideBufferError, match="storage of parameter .* replaced"):
+        fgb.grad_norm()
