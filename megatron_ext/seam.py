@@ -87,7 +87,7 @@ class Entry:
             sequence) is a tuple we unpack into n names or index (checked by
             :func:`check_instance`).
         optional: absent in some supported versions; :func:`optional` returns None there
-            and the feature adapts (the README says what is unavailable). Where it is
+            and the feature adapts (docs/versions.md says what is unavailable). Where it is
             present it is checked as any other entry.
     """
 

@@ -9,7 +9,7 @@ source "$root/scripts/setup_env.sh"
 cd "$root"
 out=${OUT:-bench-out}  # the scripts' own default too; they hide megatron-core's known notices
 echo "== the bug: the norm of a mixed bf16/fp32 gradient list, stock megatron-core vs ours"
-# megatron-core's import notices (README) are hidden, as the benchmarks hide them
+# megatron-core's import notices (docs/megatron-core.md) are hidden, as the benchmarks hide them
 "$PY" -W "ignore:Transformer Engine and Apex are not installed" \
     -W "ignore:absl.logging is not installed" -m megatron_ext.mixed_list_demo
 echo
