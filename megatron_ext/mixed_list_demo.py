@@ -209,7 +209,11 @@ def main(argv: list[str] | None = None) -> None:
     stock = stock_results() if device.type == "cuda" else None
     for line in report(device, te_installed, stock):
         in_table = line.split()[0] in ("order", *ORDERS)
-        print(line if in_table else textwrap.fill(line, 100, subsequent_indent="  "))
+        print(
+            line
+            if in_table
+            else textwrap.fill(line, 100, subsequent_indent="  ", break_on_hyphens=False)
+        )
 
 
 if __name__ == "__main__":
