@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -106,9 +107,13 @@ def _stock_child(order: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def run_stock_child(order: str) -> subprocess.CompletedProcess:
+def run_stock_child(order: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "megatron_ext.mixed_list_demo", "--stock-child", order]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:  # a hung child is a result too
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        return subprocess.CompletedProcess(cmd, -9, out, f"killed after {timeout_s:g} s")
 
 
 def stock_result(proc: subprocess.CompletedProcess) -> StockResult:
@@ -118,8 +123,10 @@ def stock_result(proc: subprocess.CompletedProcess) -> StockResult:
     kernel, fallback = last.get("kernel", "unknown"), bool(last.get("fallback", False))
     if proc.returncode == 0 and "norm" in last:
         return StockResult(last["norm"], kernel, fallback)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    why = lines[-1].strip() if lines else "no message"
+    # the exception's own line, not the hints CUDA errors end with or exit-time warnings
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b", line)]
+    why = (errors or lines or ["no message"])[-1]
     failure = f"process ended with status {proc.returncode}: {why}"
     return StockResult(None, kernel, fallback, failure)
 

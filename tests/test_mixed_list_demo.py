@@ -14,6 +14,14 @@ from megatron_ext import mixed_list_demo as demo
 
 CPU = torch.device("cpu")
 TE_KERNEL = "transformer_engine_torch.multi_tensor_l2norm"
+CUDA_ERROR = """Traceback (most recent call last):
+  File "x.py", line 1, in <module>
+RuntimeError: CUDA error: an illegal memory access was encountered
+CUDA kernel errors might be asynchronously reported at some other API call.
+Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.
+
+[rank0]:[W1204 ProcessGroupNCCL.cpp:1] Warning: destroy_process_group() was not called
+"""
 
 
 def _proc(reports: list[dict], returncode: int = 0, stderr: str = ""):
@@ -66,19 +74,20 @@ def test_stock_results_print_what_the_children_computed_and_how_they_ended():
     procs = {
         "bf16,fp32": _proc([te, {**te, "norm": 0.21650634706020355}]),
         # the reversed order can die after reporting its kernel: a result, not the end
-        "fp32,bf16": _proc([te], -6, "x\nRuntimeError: CUDA error: an illegal memory access\n"),
+        "fp32,bf16": _proc([te], 1, CUDA_ERROR),
     }
     stock = demo.stock_results(lambda order: procs[order])
     assert stock["bf16,fp32"] == demo.StockResult(0.21650634706020355, TE_KERNEL, False)
     assert stock["fp32,bf16"].norm is None
-    assert "status -6: RuntimeError: CUDA error: an illegal memory access" in (
-        stock["fp32,bf16"].failure
+    assert stock["fp32,bf16"].failure == (
+        "process ended with status 1: RuntimeError: CUDA error: an illegal memory access "
+        "was encountered"
     )
     lines = demo.report(CPU, te_installed=True, stock=stock)
     assert _row(lines, "bf16,fp32")[1:4] == ["0.216506", "0.250000", "0.250000"]
     assert _row(lines, "fp32,bf16")[1] == "failed"
     text = "\n".join(lines)
-    assert f"stock fp32,bf16: kernel {TE_KERNEL}; process ended with status -6" in text
+    assert f"stock fp32,bf16: kernel {TE_KERNEL}; process ended with status 1" in text
     assert "not computed here" not in text and "cannot be shown" not in text
 
 
@@ -94,3 +103,13 @@ def test_a_child_that_reports_nothing_is_a_failure_with_its_last_message():
     got = demo.stock_result(_proc([], 1, "Traceback\nModuleNotFoundError: No module named 'x'\n"))
     assert got.norm is None and got.kernel == "unknown"
     assert got.failure.endswith("ModuleNotFoundError: No module named 'x'")
+
+
+def test_a_hung_child_is_killed_and_reported(monkeypatch):
+    def hang(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"], output=b'{"kernel": "k"}\n')
+
+    monkeypatch.setattr(subprocess, "run", hang)
+    got = demo.stock_result(demo.run_stock_child("bf16,fp32", timeout_s=5))
+    assert got.norm is None and got.kernel == "k"
+    assert got.failure == "process ended with status -9: killed after 5 s"
