@@ -5,13 +5,15 @@ every element 1/64 (true 2-norm 0.25), in both orders. Stock megatron-core's
 ``get_grad_norm_fp32`` runs only on a GPU, each order in its own process (the reversed order
 can end its process with an illegal memory access), and is wrong only where megatron-core
 calls transformer-engine's (or Apex's) fused ``multi_tensor_l2norm``, which reads every
-tensor of the list with the first tensor's dtype. Where it cannot run, the output says so
-and shows a pure-torch emulation of that read, labelled as such.
+tensor of the list with the first tensor's dtype. Where stock cannot run, or runs without
+such a kernel, the output says that the bug cannot be shown there. Every run also prints a
+pure-torch emulation of that read, labelled as an emulation.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -89,26 +91,29 @@ class StockResult:
     failure: str | None = None
 
 
-def _stock_child(order: str) -> None:
-    """Run stock megatron-core's norm on CUDA and print one JSON line (the child process)."""
-    import megatron.core.optimizer.clip_grads as clip_grads
-    from megatron.core.utils import local_multi_tensor_l2_norm
+def _stock_child(order: str, device: str) -> None:
+    """Run stock megatron-core's norm on ``device`` and print JSON lines (the child process)."""
+    from . import seam
 
-    impl = clip_grads.l2_norm_impl
-    kernel = f"{getattr(impl, '__module__', None) or '?'}.{getattr(impl, '__name__', impl)}"
-    report = {"kernel": kernel, "fallback": impl is local_multi_tensor_l2_norm}
+    get_grad_norm_fp32 = seam.target("get_grad_norm_fp32")  # stock's: nothing installed here
+    impl, fallback = seam.optional("l2 norm kernel"), seam.optional("fallback l2 norm")
+    name = f"{getattr(impl, '__module__', None) or '?'}.{getattr(impl, '__name__', impl)}"
+    kernel = "unknown" if impl is None else name
+    report = {"kernel": kernel, "fallback": impl is not None and impl is fallback}
     print(json.dumps(report), flush=True)  # known before the call that may crash
     store = torch.distributed.HashStore()  # stock all-reduces over the default group
     torch.distributed.init_process_group("nccl", store=store, rank=0, world_size=1)
-    norm = clip_grads.get_grad_norm_fp32(make_list(order, "cuda"))
-    report["norm"] = float(torch.as_tensor(norm).reshape(-1)[0])
-    torch.cuda.synchronize()
+    norm = get_grad_norm_fp32(make_list(order, device))
+    report["norm"] = float(torch.as_tensor(norm).reshape(-1)[0])  # waits for the kernel
     print(json.dumps(report), flush=True)
     torch.distributed.destroy_process_group()
 
 
-def run_stock_child(order: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "megatron_ext.mixed_list_demo", "--stock-child", order]
+def run_stock_child(
+    order: str, device: str = "cuda", timeout_s: float = 300
+) -> subprocess.CompletedProcess:
+    module = "megatron_ext.mixed_list_demo"
+    cmd = [sys.executable, "-m", module, "--stock-child", order, "--device", device]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:  # a hung child is a result too
@@ -147,8 +152,8 @@ def report(
 ) -> list[str]:
     """The demo's lines: stock (None: not run), ours, fp64 and the emulated read per order."""
     lines = [
-        f"list: bf16[{NUMEL}] and fp32[{NUMEL}], every element 1/64 (true 2-norm 0.25); "
-        f"device: {device}; transformer-engine: {'installed' if te_installed else 'not installed'}"
+        f"list: bf16[{NUMEL}] and fp32[{NUMEL}], every element 1/64 (true 2-norm 0.25)",
+        f"device: {device}; transformer-engine: {'installed' if te_installed else 'not installed'}",
     ]
     lines.append(
         f"{'order':>9}  {'stock megatron-core':>19}  {'ours':>8}  {'fp64':>8}  emulated TE read"
@@ -209,11 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.stock_child:
-        _stock_child(args.stock_child)
+        _stock_child(args.stock_child, args.device)
         return
     device = torch.device(args.device)
     te_installed = importlib.util.find_spec("transformer_engine") is not None
-    stock = stock_results() if device.type == "cuda" else None
+    run_child = functools.partial(run_stock_child, device=str(device))
+    stock = stock_results(run_child) if device.type == "cuda" else None
     for line in report(device, te_installed, stock):
         in_table = line.split()[0] in ("order", *ORDERS)
         print(

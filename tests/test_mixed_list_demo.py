@@ -110,6 +110,31 @@ def test_a_hung_child_is_killed_and_reported(monkeypatch):
         raise subprocess.TimeoutExpired(cmd, kwargs["timeout"], output=b'{"kernel": "k"}\n')
 
     monkeypatch.setattr(subprocess, "run", hang)
-    got = demo.stock_result(demo.run_stock_child("bf16,fp32", timeout_s=5))
+    got = demo.stock_result(demo.run_stock_child("bf16,fp32", "cuda", timeout_s=5))
     assert got.norm is None and got.kernel == "k"
     assert got.failure == "process ended with status -9: killed after 5 s"
+
+
+def test_the_child_reports_the_kernel_megatron_core_bound_then_stocks_norm(monkeypatch, capsys):
+    # The real seam lookups; the process group and stock's CUDA-only function stood in for.
+    from megatron_ext import seam
+
+    stock_target = seam.target
+    called = []
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(
+        seam,
+        "target",
+        lambda name: (
+            called.append(name) or (lambda grads: torch.tensor([0.5]))
+            if name == "get_grad_norm_fp32"
+            else stock_target(name)
+        ),
+    )
+    demo._stock_child("bf16,fp32", "cpu")
+    first, last = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert called == ["get_grad_norm_fp32"]
+    fallback = "megatron.core.utils.local_multi_tensor_l2_norm"  # no TE or Apex on the CPU
+    assert first == {"kernel": fallback, "fallback": True}
+    assert last == {**first, "norm": 0.5}
