@@ -51,8 +51,8 @@ BUDGET_S = 3.0
 MIN_REPS = 3
 
 
-# megatron-core's import-time notices that say nothing about a benchmark run (README,
-# "Warnings at import"): (category, message prefix) for warnings, and torch's logger that
+# megatron-core's import-time notices that say nothing about a benchmark run (docs/megatron-core.md,
+# "Notices at import"): (category, message prefix) for warnings, and torch's logger that
 # reports CUDA_HOME when no CUDA runtime is found.
 KNOWN_NOTICES = (
     (UserWarning, "Transformer Engine and Apex are not installed"),

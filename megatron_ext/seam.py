@@ -87,7 +87,7 @@ class Entry:
             sequence) is a tuple we unpack into n names or index (checked by
             :func:`check_instance`).
         optional: absent in some supported versions; :func:`optional` returns None there
-            and the feature adapts (the README says what is unavailable). Where it is
+            and the feature adapts (docs/versions.md says what is unavailable). Where it is
             present it is checked as any other entry.
     """
 
@@ -339,6 +339,16 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("dtensor group", "megatron.core.utils:get_data_parallel_group_if_dtensor", "call",
           "the DTensors' data-parallel group", "as stock reduces over it",
           params=("tensor",)),
+    # -- the main job's demo of the bug (megatron_ext.mixed_list_demo): read only ---------
+    Entry("l2 norm kernel", "megatron.core.optimizer.clip_grads:l2_norm_impl", "read",
+          "which l2-norm kernel get_grad_norm_fp32 bound at import (TE's, Apex's or "
+          "megatron-core's fallback); the demo prints it beside stock's norm",
+          "the mixed-list bug is in TE's and Apex's fused kernel; the fallback is right",
+          optional=True),
+    Entry("fallback l2 norm", "megatron.core.utils:local_multi_tensor_l2_norm", "read",
+          "compared with the bound kernel: does stock run its per-tensor fallback here",
+          "then the demo says that the kernel bug cannot be shown on this machine",
+          optional=True),
     # -- Megatron-LM's training loop (megatron_ext.train; checked by check_deferred) -------
     Entry("training args", "megatron.training.arguments:parse_and_validate_args", "wrap",
           "adds --per-dtype-grad-buffers and --keep-in-fp32-params to the script's "

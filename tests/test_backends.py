@@ -1,7 +1,7 @@
 """The transformer-engine backend's logic, exercised with a torch stand-in for its kernels.
 
 TE itself cannot be installed on the CPU CI machines nor on the GPU test machine, so its
-real kernels are not run by this suite (the README says so).
+real kernels are not run by this suite (docs/flatgradbuffers.md says so).
 """
 
 import math

@@ -31,7 +31,7 @@ def fp64_norm(net):
 
 
 def test_rebuilding_over_the_same_parameters_releases_the_old_buffers():
-    # The README's advice after adding a parameter: build a new FlatGradBuffers.
+    # docs/guarantees.md's advice after adding a parameter: build a new FlatGradBuffers.
     net = model()
     old = FlatGradBuffers(net.named_parameters())
     gone = weakref.ref(old)

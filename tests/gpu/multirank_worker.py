@@ -101,7 +101,7 @@ CONFIGS = {
     "ep2_etp2": dict(world=4, tp=2, ep=2, etp=2),
     "pp2_dp2": dict(world=4, pp=2),
 }
-# The guarantees matrix at two ranks (README "Guarantees"): fp32 local accumulation of some
+# The guarantees matrix at two ranks (docs/guarantees.md): fp32 local accumulation of some
 # parameters (a pattern) or all, with each dtype and loss scaler, for every optimizer kind.
 # bf16 + precision-aware + a loss scale is refused at construction (tests/test_refusals.py,
 # tests/gpu/test_guarantees_gpu.py) unless every bf16 gradient is read in fp32 ('all').

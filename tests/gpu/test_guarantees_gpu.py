@@ -1,4 +1,4 @@
-"""The README's guarantees matrix at one rank: every cell correct, or refused at construction.
+"""docs/guarantees.md's optimizer matrix at one rank: every cell correct, or refused at build.
 
 {bf16, fp16} x {precision-aware + CPU offload 1.0 / 0.5, precision-aware with TE's FusedAdam,
 distributed optimizer, plain optimizer} x {no fp32 local accumulation, a pattern, 'all'} x
