@@ -33,7 +33,11 @@ def test_stock_ours_and_fp64_on_both_orders():
     print(text)  # the record for docs/gpu-test-log.md
     fwd, rev = stock["bf16,fp32"], stock["fp32,bf16"]
     if fwd.fallback:
-        assert fwd.norm == pytest.approx(0.25, rel=1e-6) and rev.norm == pytest.approx(0.25)
+        # one torch.norm per tensor, the bf16 one's result rounded to bf16: 0.249987 on the
+        # H200 (run 50); right to bf16 precision, unlike the fused kernel's 0.2165
+        assert fwd.norm == pytest.approx(0.25, rel=1e-3) and rev.norm == pytest.approx(
+            0.25, rel=1e-3
+        )
         assert "cannot be shown" in text
     else:
         emulated = demo.emulate_first_dtype_read(demo.make_list("bf16,fp32", cuda)).norm
