@@ -22,6 +22,7 @@ from .install import install, uninstall
 from .norm_audit import AuditResult, NormOwnershipError, audit_norm_ownership, explain_norm
 from .optimizer import enable_flat_norm, get_megatron_optimizer
 from .options import MegatronOptions
+from .refusals import UnsupportedCombinationError
 from .stack import Stack, build_stack
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "LayoutMismatchError",
     "MegatronOptions",
     "Stack",
+    "UnsupportedCombinationError",
     "cast_marked_to_fp32",
     "enable_flat_norm",
     "get_megatron_optimizer",

@@ -94,3 +94,10 @@ def test_te_fused_adam_with_fp32_local_accumulation_is_refused():
     every = [placed_buffer(torch.bfloat16, island_params=3)]  # 'all': one dtype per launch
     check(child(every, inner=_FusedAdam()), every)
     check(child(placed, inner=_FusedAdam(), pa=False), placed)
+
+
+def test_the_error_is_public():
+    import megatron_ext
+
+    assert megatron_ext.UnsupportedCombinationError is UnsupportedCombinationError
+    assert issubclass(UnsupportedCombinationError, ValueError)
