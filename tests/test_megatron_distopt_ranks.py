@@ -19,7 +19,7 @@ from megatron_ext.ddp import param_flags
 from megatron_ext.layout import buffer_layout
 from megatron_ext.opt_state import _build_state
 from megatron_ext.spans import exclusion_reason
-from tests.support.fakes import FakeGroup
+from tests.support.fakes import FakeGroup, megatron_buffer
 
 BF16, FP32 = torch.bfloat16, torch.float32
 # megatron-core 0.19+ filters expert duplicates over the expert TP group
@@ -48,18 +48,7 @@ def fake_buffer(params, dtype, dp, rank, bucket_elems, gen):
     grad = torch.zeros(numel, dtype=dtype)
     for s, e, _ in index.values():
         grad[s:e] = (torch.randn(e - s, generator=gen, dtype=torch.float64) * 3).to(dtype)
-    return types.SimpleNamespace(
-        param_dtype=dtype,
-        grad_dtype=dtype,
-        grad_data=grad,
-        param_data=torch.zeros(numel, dtype=dtype),
-        numel=numel,
-        param_index_map=index,
-        bucket_indices=buckets,
-        buckets=[types.SimpleNamespace(grad_data=grad[s:e], offset=s) for s, e in buckets],
-        data_parallel_group=FakeGroup(rank, dp),
-        num_optimizer_shards=None,
-    )
+    return megatron_buffer(grad, index, buckets, FakeGroup(rank, dp))
 
 
 def model(seed=0, fp32_sizes=(64, 40)):

@@ -22,7 +22,7 @@ from megatron_ext.ddp import counted_records
 from megatron_ext.layout import buffer_layout
 from megatron_ext.opt_state import _build_state
 from megatron_ext.param_norms import MegatronParamNorms
-from tests.support.fakes import FakeGroup
+from tests.support.fakes import FakeGroup, megatron_buffer
 from tests.test_megatron_distopt_ranks import layout as mirrored_layout
 from tests.test_megatron_param_norms import reduce_ranks
 
@@ -72,18 +72,7 @@ def fake_buffer(params, dp, rank, seed):
     grad = torch.zeros(numel, dtype=BF16)
     for s, e, _ in index.values():
         grad[s:e] = (torch.randn(e - s, generator=gen, dtype=torch.float64) * 3).to(BF16)
-    return types.SimpleNamespace(
-        param_dtype=BF16,
-        grad_dtype=BF16,
-        grad_data=grad,
-        param_data=torch.zeros(numel, dtype=BF16),
-        numel=numel,
-        param_index_map=index,
-        bucket_indices=buckets,
-        buckets=[types.SimpleNamespace(grad_data=grad[s:e], offset=s) for s, e in buckets],
-        data_parallel_group=FakeGroup(rank, dp),
-        num_optimizer_shards=None,
-    )
+    return megatron_buffer(grad, index, buckets, FakeGroup(rank, dp))
 
 
 def test_the_layout_puts_zero_size_parameters_at_their_neighbours_start():

@@ -28,6 +28,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params
 
 from megatron_ext.layout import ChunkLayout, buffer_layout
+from tests.support.fakes import megatron_buffer
 
 BF16, FP32 = torch.bfloat16, torch.float32
 WORLD_SIZE = 5  # ranks of the default group under record_all_reduce
@@ -113,18 +114,7 @@ def make_buffer(params, gen, zero_fraction=0.1):
         g[torch.rand(e - s, generator=gen) < zero_fraction] = 0.0
         grad[s:e] = g.to(dtype)
         p.main_grad = grad[s:e].view(p.shape)
-    return SimpleNamespace(
-        param_dtype=dtype,
-        grad_dtype=dtype,
-        grad_data=grad,
-        param_data=torch.zeros(numel, dtype=dtype),
-        numel=numel,
-        param_index_map=index,
-        bucket_indices=[(0, numel)],
-        buckets=[SimpleNamespace(grad_data=grad, offset=0)],
-        data_parallel_group=RankGroup(1),
-        num_optimizer_shards=None,
-    )
+    return megatron_buffer(grad, index, [(0, numel)], RankGroup(1))
 
 
 class Chunk:
