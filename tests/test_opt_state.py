@@ -206,3 +206,17 @@ def test_megatron_cores_factory_runs_with_fp32_shards_as_leaves(monkeypatch):
     assert got == ("built", options)
     assert seen == [(True, (1,), {"k": 2})]
     assert DistributedOptimizer.__dict__["_build_model_and_main_param_groups"] is original
+
+
+def test_enable_flat_norm_refuses_what_megatron_core_cannot_step():
+    # the construction path runs megatron_ext.refusals (its cases: tests/test_refusals.py)
+    from megatron_ext import UnsupportedCombinationError
+    from tests.support.optimizers import ConstantScaler
+
+    params, named, bufs = model()
+    cfg = config(precision_aware=True)
+    cfg.loss_scale = 1024.0
+    child = dist_child(params, bufs, cfg, RankGroup(1), RankGroup(1), scaler=ConstantScaler(1024.0))
+    child._has_grad_norm_group_cache = {"mtp": False}
+    with pytest.raises(UnsupportedCombinationError, match="loss scale"):
+        enable_flat_norm(child, [Chunk(named, bufs)])
