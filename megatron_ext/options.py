@@ -14,7 +14,7 @@ class MegatronOptions(BufferOptions):
     Attributes:
         host_mirrors: with CPU offload (``optimizer_cpu_offload=True``), move gradients and
             parameters through one pinned host mirror per flat buffer
-            (:mod:`megatron_ext.offload`); False keeps megatron-core's per-parameter copies.
+            (:mod:`megatron_ext.offload.hybrid`); False keeps megatron-core's per-parameter copies.
     """
 
     host_mirrors: bool = True

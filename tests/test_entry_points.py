@@ -128,7 +128,7 @@ def test_megatron_quickstart_without_a_gpu_says_so_in_one_line():
     assert proc.stderr.count("\n") == 1 and "needs a CUDA GPU" in proc.stderr, proc.stderr
 
 
-def test_both_packages_ship_py_typed(tmp_path):
+def test_the_wheel_ships_every_module_and_py_typed(tmp_path):
     for package in ("buffers", "megatron_ext"):
         assert (ROOT / package / "py.typed").is_file(), package
     pytest.importorskip("setuptools")
@@ -149,3 +149,11 @@ def test_both_packages_ship_py_typed(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"buffers/py.typed", "megatron_ext/py.typed"} <= names
+    # every module ships, subpackages' too (setuptools lists packages explicitly)
+    sources = {
+        str(f.relative_to(ROOT))
+        for package in ("buffers", "megatron_ext")
+        for f in (ROOT / package).rglob("*.py")
+    }
+    assert "megatron_ext/offload/hybrid.py" in sources
+    assert sources - names == set()

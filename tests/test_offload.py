@@ -30,10 +30,10 @@ from buffers.spans import (
     to_local,
 )
 from megatron_ext import offload
-from megatron_ext.host_mirror import build_buffer_mirror
 from megatron_ext.layout import buffer_layout
 from megatron_ext.offload import HostMirrorHybridOptimizer, OffloadSource
-from megatron_ext.offload_plan import MirrorLayout, copy_schedule, mirror_layout, offload_blocks
+from megatron_ext.offload.host_mirror import build_buffer_mirror
+from megatron_ext.offload.plan import MirrorLayout, copy_schedule, mirror_layout, offload_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 

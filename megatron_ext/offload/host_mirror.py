@@ -1,5 +1,5 @@
 """CPU offload through host mirrors, the tensors: one pinned staging tensor per buffer and
-the per-block copies between it and the device, built once (:mod:`megatron_ext.offload`)."""
+the per-block copies between it and the device, built once (:mod:`megatron_ext.offload.hybrid`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from buffers.spans import Span, to_local
 
-from .offload_plan import MirrorLayout, itemsize
+from .plan import MirrorLayout, itemsize
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """CPU offload through host mirrors, the plan: which blocks move, laid out where, when.
 
-Pure data, computable and testable on the CPU (:mod:`megatron_ext.offload` uses it).
+Pure data, computable and testable on the CPU (:mod:`megatron_ext.offload.hybrid` uses it).
 """
 
 from __future__ import annotations

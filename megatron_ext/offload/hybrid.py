@@ -36,9 +36,9 @@ import torch
 
 from buffers.spans import Span
 
-from . import seam
+from .. import seam
 from .host_mirror import BufferMirror, HostBlock, add_island_copies, build_buffer_mirror
-from .offload_plan import MirrorLayout, copy_schedule, mirror_layout
+from .plan import MirrorLayout, copy_schedule, mirror_layout
 
 HybridDeviceOptimizer = seam.target("HybridDeviceOptimizer")
 DistributedOptimizer = seam.target("DistributedOptimizer")
