@@ -27,6 +27,8 @@ from buffers.spans import Span
 from megatron_ext.ddp import DistributedDataParallel
 from megatron_ext.layout import buffer_layout
 from megatron_ext.offload import offload_sources, source_mirror
+from megatron_ext.offload.host_mirror import chunk_copies
+from megatron_ext.offload.step import chunk_spans
 from megatron_ext.opt_state import _build_state
 from megatron_ext.param_norms import MegatronParamNorms
 from tests.test_megatron_distopt_ranks import BF16, FP32, child_for_rank
@@ -195,8 +197,13 @@ def test_with_an_fp32_mirror_the_norm_reads_the_mirror_not_the_island():
     assert state.targets[1].island is islands[1]  # the fp32 buffer has no mirror
 
 
-def test_host_mirror_gives_the_cpu_the_island_values():
+@pytest.mark.parametrize("every", [1, 2], ids=["all_offloaded", "every_other"])
+@pytest.mark.parametrize("chunk", [None, 1, 5, 37], ids=["blocks", "c1", "c5", "c37"])
+def test_host_mirror_gives_the_cpu_the_island_values(chunk, every):
+    """Per block, and per chunk of the chunked step (chunks that cut island pieces); every
+    other parameter offloaded cuts the shard into several blocks."""
     dp = 2
+    blocks_seen, islands_seen = [], []
     for r in range(dp):
         child, bufs, state, reads, names, _ = build(dp, r, scale=SCALE)
         child._flat = state
@@ -206,18 +213,33 @@ def test_host_mirror_gives_the_cpu_the_island_values():
         shards = {id(s): p for p, s in _pairs(child)}
         sources = offload_sources(child)
         for source in sources:
-            offloaded = {s: torch.zeros(s.shape, dtype=torch.float32) for s in source.spans}
+            offloaded = {
+                s: torch.zeros(s.shape, dtype=torch.float32)
+                for i, s in enumerate(source.spans)
+                if (i + 1) % every == 0
+            }
             built = source_mirror(source, offloaded, pin=False)
             if built is None:
                 continue
             mirror, mine = built
-            for block in mirror.blocks:
+            blocks_seen.append(len(mirror.blocks))
+            islands_seen += [i for i, b in enumerate(mirror.blocks) if b.islands]
+            copies = mirror.blocks
+            if chunk is not None:
+                runs = chunk_spans([mirror.layout.local(b) for b in mirror.layout.blocks], chunk)
+                copies = chunk_copies(mirror, runs)
+                assert len(copies) >= len(mirror.blocks)
+            mirror.cpu_grads.fill_(float("nan"))
+            for block in copies:
                 block.start_d2h()
                 block.convert_grads()
             for shard, span in mine:
                 _, grad = mirror.cpu_views(span)
                 want = reads[shards[id(shard)]]
                 torch.testing.assert_close(grad.double(), want, rtol=0, atol=0)
+    assert islands_seen
+    if every == 2:  # an island past the first block
+        assert max(blocks_seen) > 1 and max(islands_seen) > 0
 
 
 def test_a_stray_island_piece_is_refused():

@@ -36,6 +36,7 @@ from megatron_ext.offload.host_mirror import build_buffer_mirror
 from megatron_ext.offload.plan import MirrorLayout, copy_schedule, mirror_layout, offload_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
+FP64 = torch.float64
 
 # ---------------------------------------------------------------------------------------
 # Layout
@@ -432,11 +433,21 @@ class _MirrorPlaced(HostMirrorHybridOptimizer):
         return _placement(self.param_groups, offload_fraction)
 
 
-def _hdo(cls, groups, fraction, overlap, sources=None):
+class _MirrorChunked(_MirrorPlaced):
+    """Host mirrors with the chunked step, in chunks that cut parameters (and blocks)."""
+
+    chunked_step = True
+    chunk_numel = 40
+
+
+def _hdo(cls, groups, fraction, overlap, sources=None, chunk=None):
     hdo = cls.__new__(cls)
+    if chunk is not None:
+        hdo.chunk_numel = chunk
     if sources is not None:
+        # placed from hdo.param_groups (megatron-core's defaults, fused=True, filled in), as
+        # attach_host_mirrors reuses megatron-core's placement
         hdo._offload_sources = sources
-        hdo._reused_placement = _placement(groups, fraction)
     HybridDeviceOptimizer.__init__(
         hdo, groups, offload_fraction=fraction, cpu_optimizer_cls=torch.optim.AdamW,
         gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True, pin_cpu_grads=False,
@@ -458,35 +469,40 @@ def test_hdo_with_host_mirrors_matches_stock_bit_for_bit(
     cpu_streams, pa, grads_fp32, fraction, overlap, fp32_first, dp, rank
 ):
     runs = []
-    for cls in (_StockPlacedFp32Fixed, _MirrorPlaced):
+    for cls in (_StockPlacedFp32Fixed, _MirrorPlaced, _MirrorChunked):
         bf16, fp32, groups, sources, bind, shard16 = _sim(pa, fp32_first, grads_fp32, dp, rank)
         hdo = _hdo(
             cls, groups, fraction, overlap, None if issubclass(cls, _StockPlaced) else sources
         )
         runs.append((bf16, fp32, bind, hdo, shard16))
-    ours = runs[1][3]
-    assert ours.host_mirrors and all(not s["pinned"] for s in ours.host_mirror_stats())
-    assert not ours.cpu_copy_map_grad  # no per-parameter host gradients
-    grads_before = {id(c): c.grad for c in ours.cpu_copys_map_gpu_param}
+    for ours in (runs[1][3], runs[2][3]):
+        assert ours.host_mirrors and all(not s["pinned"] for s in ours.host_mirror_stats())
+        assert not ours.cpu_copy_map_grad  # no per-parameter host gradients
+    grads_before = {id(c): c.grad for c in runs[1][3].cpu_copys_map_gpu_param}
     initial = [p.detach().clone() for p in runs[1][4].values()]
     gen = torch.Generator().manual_seed(3)
-    for _ in range(4):
+    for step in range(4):
         g16 = torch.randn(runs[0][0].grad_data.numel(), generator=gen)
         g32 = torch.randn(runs[0][1].grad_data.numel(), generator=gen)
         for bf16, fp32, bind, hdo, _ in runs:
             bf16.grad_data.copy_(g16)
             fp32.grad_data.copy_(g32)
             bind()
+            for i, g in enumerate(hdo.param_groups):  # an lr schedule, per group
+                g["lr"] = 1e-2 * (step + 1) / (i + 2)
             hdo.step()
-        (a16, a32, _, stock, main_a), (b16, b32, _, mine, main_b) = runs
-        # The same AdamW on the same values, rounded to bf16 by the same round-to-nearest-even
-        # conversion on the host (the stock copy-back converts there too): bit for bit.
-        assert torch.equal(a16.param_data, b16.param_data)
-        assert torch.equal(a32.param_data, b32.param_data)
-        for x, y in zip(main_a.values(), main_b.values(), strict=True):
-            assert torch.equal(x, y)  # the updated shards (fp32 main shards without pa)
-        _assert_same_state(stock, mine)
-    assert {id(c): c.grad for c in ours.cpu_copys_map_gpu_param} == grads_before
+        (a16, a32, _, stock, main_a) = runs[0]
+        for b16, b32, _, mine, main_b in runs[1:]:
+            # The same AdamW kernel on the same values, rounded to bf16 by the same
+            # round-to-nearest-even conversion on the host (the stock copy-back converts
+            # there too): bit for bit.
+            assert torch.equal(a16.param_data, b16.param_data)
+            assert torch.equal(a32.param_data, b32.param_data)
+            for x, y in zip(main_a.values(), main_b.values(), strict=True):
+                assert torch.equal(x, y)  # the updated shards (fp32 main shards without pa)
+            _assert_same_state(stock, mine)
+    assert runs[2][3]._chunked is not None, runs[2][3].chunked_step_off  # not a fallback
+    assert {id(c): c.grad for c in runs[1][3].cpu_copys_map_gpu_param} == grads_before
     moved = [not torch.equal(p, q) for p, q in zip(runs[1][4].values(), initial, strict=True)]
     assert all(moved)
 
@@ -750,3 +766,209 @@ def test_sub_optimizer_state_goes_to_its_parameters_device():
     assert shared["lr"] == 0.1
     # already where they belong: the very same tensors (a CPU step stays on the CPU)
     assert all(cpu_opt.state[cpu_p][k] is v for k, v in cpu_state.items())
+
+
+# ---------------------------------------------------------------------------------------
+# The chunked step (megatron_ext.offload.step)
+
+
+def _train(cls, pa, fraction, steps, chunk=None, overlap=True, reload_at=None):
+    bf16, fp32, groups, sources, bind, shard16 = _sim(pa, False, False, 2, 1)
+    hdo = _hdo(
+        cls, groups, fraction, overlap, None if issubclass(cls, _StockPlaced) else sources, chunk
+    )
+    gen = torch.Generator().manual_seed(11)
+    for step in range(steps):
+        if reload_at == step:
+            hdo.load_state_dict(hdo.state_dict())
+        bf16.grad_data.copy_(torch.randn(bf16.grad_data.numel(), generator=gen))
+        fp32.grad_data.copy_(torch.randn(fp32.grad_data.numel(), generator=gen))
+        bind()
+        for i, g in enumerate(hdo.param_groups):
+            g["lr"] = 3e-3 * (step + 2) * (i + 1)
+        hdo.step()
+    return bf16, fp32, hdo, shard16
+
+
+def _assert_same_run(a, b):
+    assert torch.equal(a[0].param_data, b[0].param_data)
+    assert torch.equal(a[1].param_data, b[1].param_data)
+    for x, y in zip(a[3].values(), b[3].values(), strict=True):
+        assert torch.equal(x, y)
+    _assert_same_state(a[2], b[2])
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 10**9])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])
+def test_chunked_step_is_stock_bit_for_bit_at_any_chunk_size(cpu_streams, pa, fraction, chunk):
+    stock = _train(_StockPlacedFp32Fixed, pa, fraction, 3)
+    ours = _train(_MirrorChunked, pa, fraction, 3, chunk=chunk)
+    assert ours[2]._chunked is not None, ours[2].chunked_step_off
+    steppers, copies, _, _ = ours[2]._chunked
+    blocks = sum(len(m.blocks) for m in ours[2].host_mirrors)
+    if chunk == 10**9:
+        assert len(copies) == blocks
+    else:
+        assert len(copies) > blocks
+    _assert_same_run(stock, ours)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_chunked_step_state_round_trip_keeps_the_trajectory(cpu_streams, fraction):
+    """A loaded state (other tensors than the flat moments' views) is copied in, re-bound,
+    and training continues as without the reload; the state still holds views after."""
+    plain = _train(_MirrorChunked, True, fraction, 4)
+    reloaded = _train(_MirrorChunked, True, fraction, 4, reload_at=2)
+    _assert_same_run(plain, reloaded)
+    for stepper in reloaded[2]._chunked[0]:
+        for e in stepper.entries:
+            st = e.optimizer.state[e.param]
+            assert st["exp_avg"].untyped_storage().data_ptr() == (
+                stepper.exp_avg.untyped_storage().data_ptr()
+            )
+            assert st["step"].item() == 4
+
+
+def test_chunked_step_falls_back_where_the_cpu_adamw_is_not_fused(cpu_streams):
+    class NotFused(_MirrorChunked):
+        def _init_sub_optimizers(self):
+            super()._init_sub_optimizers()
+            for opt in self.cpu_optimizers:
+                for g in opt.param_groups:
+                    g["fused"] = None
+
+    ours = _train(NotFused, True, 1.0, 2, chunk=7)
+    assert ours[2]._chunked is None
+    assert "not fused" in ours[2].chunked_step_off
+    assert all(s.get("exp_avg") is not None for s in ours[2].state.values())
+
+
+def test_chunked_step_order_and_one_call_per_chunk_and_hyperparameters(cpu_streams, monkeypatch):
+    """All device-to-host copies first, then per chunk: wait, convert, update, pack, copy
+    back, in chunk order; one fused call per chunk and distinct hyperparameter set."""
+    from megatron_ext.offload import host_mirror as hm
+
+    log = []
+    for name in ("start_d2h", "convert_grads", "pack_params", "start_h2d"):
+        real = getattr(hm.HostBlock, name)
+
+        def traced(self, real=real, name=name):
+            log.append((name, id(self)))
+            return real(self)
+
+        monkeypatch.setattr(hm.HostBlock, name, traced)
+    calls = []
+    real_fused = torch._fused_adamw_
+
+    def counting(params, *args, **kwargs):
+        calls.append((len(params), kwargs["weight_decay"], kwargs["lr"]))
+        return real_fused(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", counting)
+    ours = _train(_MirrorChunked, True, 1.0, 1, chunk=50)
+    _, copies, _, _ = ours[2]._chunked
+    ids = [id(c) for c in copies]
+    n = len(ids)
+    assert log[:n] == [("start_d2h", i) for i in ids]
+    want = []
+    for i in ids:
+        want += [("convert_grads", i), ("pack_params", i), ("start_h2d", i)]
+    assert log[n:] == want
+    # every chunk of 50 elements: one call per weight-decay value among its parameters
+    expected = 0
+    for stepper in ours[2]._chunked[0]:
+        for pieces in stepper.pieces:
+            wds = {stepper.entries[k].optimizer.param_groups[0]["weight_decay"] for k, _ in pieces}
+            expected += len(wds)
+    assert len(calls) == expected and {wd for _, wd, _ in calls} == {0.0, 0.1}
+
+
+def test_chunked_adamw_refuses_what_is_not_the_mirror():
+    from megatron_ext.offload.step import ChunkedAdamW, Entry, chunk_spans
+
+    host, grads = torch.zeros(100), torch.zeros(100)
+    p = host[10:30].view(4, 5)
+    opt = torch.optim.AdamW([p], fused=True)
+    ChunkedAdamW(host, grads, [Entry(p, S(10, 30), opt, 0)], [S(0, 50), S(50, 100)])
+    with pytest.raises(ValueError, match="not the mirror's view at"):
+        ChunkedAdamW(host, grads, [Entry(p, S(11, 31), opt, 0)], [S(0, 100)])
+    with pytest.raises(ValueError, match="not the mirror's view at"):
+        ChunkedAdamW(host, grads, [Entry(torch.zeros(20), S(10, 30), opt, 0)], [S(0, 100)])
+    with pytest.raises(ValueError, match="cover every parameter exactly once"):
+        ChunkedAdamW(host, grads, [Entry(p, S(10, 30), opt, 0)], [S(0, 20)])
+    with pytest.raises(ValueError, match="cover every parameter exactly once"):
+        ChunkedAdamW(host, grads, [Entry(p, S(10, 30), opt, 0)], [S(0, 25), S(20, 40)])
+    with pytest.raises(ValueError, match="flat tensors alike"):
+        ChunkedAdamW(host, grads.double(), [], [])
+    assert chunk_spans([S(0, 10), S(10, 13)], 4) == (
+        (0, S(0, 4)), (0, S(4, 8)), (0, S(8, 10)), (1, S(10, 13)),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="positive"):
+        chunk_spans([S(0, 10)], 0)
+    # inside a parameter, cuts fall at multiples of 64 from its start (torch's kernel then
+    # treats every element as in the whole parameter); in gaps and at block ends anywhere
+    assert chunk_spans([S(0, 300)], 100, [S(10, 210)]) == (
+        (0, S(0, 74)), (0, S(74, 138)), (0, S(138, 238)), (0, S(238, 300)),
+    )  # fmt: skip
+    small = chunk_spans([S(0, 300)], 1, [S(10, 210)])
+    assert [r for _, r in small][9:13] == [S(9, 10), S(10, 74), S(74, 138), S(138, 202)]
+    assert small[13][1] == S(202, 210) and small[14][1] == S(210, 211)
+
+
+def test_chunked_adamw_equals_torch_fused_adamw_per_parameter_in_fp64_terms():
+    """Against torch's own AdamW(fused=True), one optimizer per parameter, and an fp64
+    AdamW computed here from the formula (fresh random data, two hyperparameter sets)."""
+    from megatron_ext.offload.step import ChunkedAdamW, Entry, chunk_spans
+
+    gen = torch.Generator().manual_seed(0)
+    sizes, gaps = [5, 17, 1, 33, 8], [0, 3, 0, 2, 7]
+    n = sum(sizes) + sum(gaps)
+    host, grads = torch.randn(n, generator=gen), torch.zeros(n)
+    ref, opts, entries, f64, at = [], [], [], [], 0
+    for i, (size, gap) in enumerate(zip(sizes, gaps, strict=True)):
+        at += gap
+        view = host[at : at + size]
+        twin = torch.nn.Parameter(view.clone())
+        wd = 0.1 if i % 2 else 0.0
+        cfg = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd, fused=True)
+        opts.append(torch.optim.AdamW([view], **cfg))
+        ref.append((twin, torch.optim.AdamW([twin], **cfg)))
+        entries.append(Entry(view, S(at, at + size), opts[-1], 0))
+        f64.append(
+            [
+                view.double().clone(),
+                torch.zeros(size, dtype=FP64),
+                torch.zeros(size, dtype=FP64),
+                wd,
+            ]
+        )
+        at += size
+    runs = chunk_spans([S(0, n)], 9, [e.local for e in entries])
+    assert len(runs) > len(entries)
+    stepper = ChunkedAdamW(host, grads, entries, [r for _, r in runs])
+    for t in range(1, 4):
+        grads.copy_(torch.randn(n, generator=gen))
+        for e, (twin, opt), x in zip(entries, ref, f64, strict=True):
+            g = grads[e.local.start : e.local.end]
+            twin.grad = g.clone()
+            opt.step()
+            p, m, v, wd = x
+            p.mul_(1 - 1e-2 * wd)
+            m.mul_(0.9).add_(0.1 * g.double())
+            v.mul_(0.95).add_(0.05 * g.double() ** 2)
+            denom = (v / (1 - 0.95**t)).sqrt() + 1e-8
+            p.sub_(1e-2 * (m / (1 - 0.9**t)) / denom)
+        stepper.begin()
+        for c in range(len(stepper.chunks)):
+            stepper.update(c)
+        for e, (twin, _), x in zip(entries, ref, f64, strict=True):
+            mine = host[e.local.start : e.local.end]
+            assert torch.equal(mine, twin.detach())  # torch's kernel, bit for bit
+            torch.testing.assert_close(mine.double(), x[0], rtol=1e-6, atol=1e-7)
+    untouched = torch.ones(n, dtype=torch.bool)
+    for e in entries:
+        untouched[e.local.start : e.local.end] = False
+    assert torch.equal(
+        host[untouched], torch.randn(n, generator=torch.Generator().manual_seed(0))[untouched]
+    )

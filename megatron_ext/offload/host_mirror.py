@@ -116,6 +116,40 @@ def add_island_copies(
         off += span.numel
 
 
+def chunk_copies(mirror: BufferMirror, chunks: Sequence[tuple[int, Span]]) -> list[HostBlock]:
+    """The copies of each chunk (block index, run in mirror coordinates) of ``mirror``:
+    slices of its block's copies, and the pieces of the block's island copies inside it."""
+    base = mirror.cpu_grads.storage_offset()
+    out = []
+    for b, run in chunks:
+        block, off = mirror.blocks[b], mirror.layout.offsets[b]
+        a, z = run.start - off, run.end - off  # block-local
+        if not (0 <= a < z <= mirror.layout.blocks[b].numel):
+            raise ValueError(f"chunk {run} lies outside block {b}")
+
+        def cut(pair, a=a, z=z):
+            return pair[0][a:z], pair[1][a:z]
+
+        islands = []
+        for stage, device, cpu in block.islands:
+            lo = cpu.storage_offset() - base - off
+            x, y = max(a, lo), min(z, lo + cpu.numel())
+            if x < y:
+                islands.append(
+                    (stage[x - lo : y - lo], device[x - lo : y - lo], cpu[x - lo : y - lo])
+                )
+        out.append(
+            HostBlock(
+                d2h=cut(block.d2h),
+                convert=None if block.convert is None else cut(block.convert),
+                pack=cut(block.pack),
+                h2d=cut(block.h2d),
+                islands=islands,
+            )
+        )
+    return out
+
+
 def _device_view(t: torch.Tensor, span: Span, coords: Sequence[Span] | None) -> torch.Tensor:
     if coords is None:
         return t[span.start : span.end]

@@ -37,8 +37,15 @@ import torch
 from buffers.spans import Span
 
 from .. import seam
-from .host_mirror import BufferMirror, HostBlock, add_island_copies, build_buffer_mirror
+from .host_mirror import (
+    BufferMirror,
+    HostBlock,
+    add_island_copies,
+    build_buffer_mirror,
+    chunk_copies,
+)
 from .plan import MirrorLayout, copy_schedule, mirror_layout
+from .step import DEFAULT_CHUNK_NUMEL, ChunkedAdamW, Entry, chunk_spans, eligible
 
 HybridDeviceOptimizer = seam.target("HybridDeviceOptimizer")
 DistributedOptimizer = seam.target("DistributedOptimizer")
@@ -76,6 +83,12 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     _offload_sources: tuple[OffloadSource, ...] = ()
     _reused_placement: tuple | None = None
     host_mirrors: list[BufferMirror]
+    # The chunked step (:mod:`.step`): one fused AdamW call per chunk of a host mirror, the
+    # chunks' copies pipelined with the updates. Opt-in until it has run on a GPU: set
+    # ``chunked_step = True`` on the class or the instance (before the first step).
+    chunked_step: bool = False
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    _chunked: tuple | None = None
 
     def _get_sub_optimizer_param_groups(self, offload_fraction):
         if self._reused_placement is not None:
@@ -121,6 +134,8 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         self._schedule = copy_schedule(reads, len(self._host_blocks))
         self._d2h_events = [torch.cuda.Event() for _ in self._host_blocks]
         self._h2d_done = torch.cuda.Event()
+        self._chunked = None
+        self._chunked_for = None
         self._gpu_masters = [
             (p, fp32) for p, fp32 in self.param_to_fp32_param.items() if p not in offloaded
         ]
@@ -130,6 +145,83 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             for p in g["params"]
             if p not in self.fp32_param_to_orig_param
         ]
+
+    def _build_chunked(self):
+        """(steppers, copies, events): per mirror one :class:`ChunkedAdamW`; per chunk its
+        copies and its device-to-host event. None (with the reason kept in
+        ``chunked_step_off``) where the per-parameter optimizers compute something else."""
+        self.chunked_step_off = eligible(self.cpu_optimizers)
+        if self.chunked_step_off is not None:
+            return None
+        where = {}
+        for opt in self.cpu_optimizers:
+            for gi, g in enumerate(opt.param_groups):
+                for p in g["params"]:
+                    where[p] = (opt, gi)
+        steppers, copies, order = [], [], []
+        for m in self.host_mirrors:
+            base = m.host_params.storage_offset()
+            entries = []
+            for cpu, (opt, gi) in where.items():
+                if cpu.untyped_storage().data_ptr() != m.host_params.untyped_storage().data_ptr():
+                    continue
+                start = cpu.storage_offset() - base
+                entries.append(Entry(cpu, Span(start, start + cpu.numel()), opt, gi))
+            entries.sort(key=lambda e: e.local.start)
+            runs = chunk_spans(
+                [m.layout.local(b) for b in m.layout.blocks],
+                max(1, int(self.chunk_numel)),
+                [e.local for e in entries],
+            )
+            k = len(steppers)
+            steppers.append(ChunkedAdamW(m.host_params, m.cpu_grads, entries, [r for _, r in runs]))
+            copies += chunk_copies(m, runs)
+            order += [(k, i) for i in range(len(runs))]
+        if sum(len(s.entries) for s in steppers) != len(where):
+            self.chunked_step_off = "a CPU parameter lies in no host mirror"
+            return None
+        events = [torch.cuda.Event() for _ in copies]
+        return steppers, copies, events, order
+
+    def step(self, closure=None):
+        """megatron-core's step, or the chunked one (:attr:`chunked_step`).
+
+        The chunked step: every chunk's device-to-host copy is issued at once on the copy
+        stream; the GPU optimizer steps (its kernels run while the host works); then per
+        chunk, in order: wait for its copy, convert, one fused AdamW call per hyperparameter
+        set, pack, and its host-to-device copy on the other stream, so that chunk i's copies
+        overlap the update of its neighbours.
+        """
+        if not self.chunked_step or closure is not None:
+            return super().step(closure)
+        if self._chunked_for != self.chunk_numel:
+            self._chunked, self._chunked_for = self._build_chunked(), self.chunk_numel
+        if self._chunked is None:
+            return super().step(closure)
+        steppers, copies, events, order = self._chunked
+        self._sync_hdo_param_groups_to_sub_optimizers()
+        compute = torch.cuda.current_stream()
+        self._d2h_stream.wait_stream(compute)
+        with torch.cuda.stream(self._d2h_stream):
+            for chunk, event in zip(copies, events, strict=True):
+                chunk.start_d2h()
+                event.record(self._d2h_stream)
+        # the device parameters may still be read by work queued before this step
+        self._h2d_stream.wait_stream(compute)
+        if self.gpu_optimizer is not None:
+            self.gpu_optimizer.step()
+        for stepper in steppers:
+            stepper.begin()
+        for (k, i), chunk, event in zip(order, copies, events, strict=True):
+            event.synchronize()
+            chunk.convert_grads()
+            steppers[k].update(i)
+            chunk.pack_params()
+            with torch.cuda.stream(self._h2d_stream):
+                chunk.start_h2d()
+        self._h2d_done.record(self._h2d_stream)
+        compute.wait_event(self._h2d_done)
+        self._sync_sub_optimizers_state_to_hdo()
 
     def _register_param_copy_back_gpu_hook(self):
         for k, optimizer in enumerate(self.cpu_optimizers):

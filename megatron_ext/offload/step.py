@@ -1,0 +1,213 @@
+"""CPU offload through host mirrors, the step: AdamW over a host mirror's flat tensors, chunk
+by chunk, so that the copies of one chunk overlap the update of another.
+
+megatron-core steps one ``torch.optim.AdamW(fused=True)`` per offloaded parameter, after the
+whole block's gradients have arrived and before any parameter goes back. Here the same fused
+kernel (``torch._fused_adamw_``, what ``AdamW(fused=True)`` calls on the CPU) runs over
+chunks of the mirror: each chunk's parameters, gradients and moments are slices of flat host
+tensors, one call per chunk and distinct set of hyperparameters. Per element the arithmetic is
+the kernel's, with the same inputs, so the result equals the per-parameter optimizers' bit
+for bit. The optimizer state stays megatron-core's: per parameter, ``step``, ``exp_avg`` and
+``exp_avg_sq`` in each per-parameter optimizer's ``state``, the moments being views of this
+module's flat tensors (a state loaded from a checkpoint is copied in and re-bound).
+
+Pure CPU code; :mod:`.hybrid` drives it between the device copies.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from buffers.spans import Span
+
+# Each chunk is one fused call per hyperparameter set and one copy each way; 4 Mi elements
+# (16 MiB of fp32) keeps a 335M-element shard at ~80 chunks (the per-call overhead is tens
+# of microseconds) while the first chunk's copy in and the last one's copy out stay short.
+DEFAULT_CHUNK_NUMEL = 4 * 2**20
+
+
+# torch's fused CPU Adam kernel walks a tensor in cache-line units (16 fp32 elements) and
+# vector lanes, finishing a tensor's odd end with scalar code whose rounding can differ in
+# the last bit. Cutting a parameter only at multiples of this many elements from its start
+# gives every element the code path it has in the whole parameter: results stay bit-equal.
+CUT_QUANTUM = 64
+
+
+def chunk_spans(
+    blocks: Sequence[Span],
+    chunk_numel: int,
+    params: Sequence[Span] = (),
+    quantum: int = CUT_QUANTUM,
+) -> tuple[tuple[int, Span], ...]:
+    """Each block cut into runs of about ``chunk_numel`` elements: (block index, run).
+
+    Args:
+        blocks: the mirror's blocks in mirror coordinates (laid end to end).
+        chunk_numel: the run length aimed at; positive. A run ends early, or extends to
+            the next allowed cut, where it would end inside a parameter elsewhere than at a
+            multiple of ``quantum`` from that parameter's start.
+        params: the parameters' spans (mirror coordinates, disjoint).
+        quantum: see ``chunk_numel``.
+    """
+    if chunk_numel <= 0:
+        raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
+    params = sorted(params, key=lambda s: s.start)
+    starts = [p.start for p in params]
+    out = []
+    for i, block in enumerate(blocks):
+        pos = block.start
+        while pos < block.end:
+            cut = min(block.end, pos + chunk_numel)
+            k = bisect.bisect_right(starts, cut - 1) - 1
+            if cut < block.end and k >= 0 and params[k].start < cut < params[k].end:
+                p = params[k]
+                snapped = p.start + (cut - p.start) // quantum * quantum
+                if snapped <= pos:  # the next allowed cut after pos
+                    snapped = min(p.end, p.start + ((pos - p.start) // quantum + 1) * quantum)
+                cut = snapped
+            out.append((i, Span(pos, cut)))
+            pos = cut
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One CPU parameter: where it lies in the mirror and which optimizer group holds it."""
+
+    param: torch.Tensor
+    local: Span  # mirror coordinates
+    optimizer: torch.optim.Optimizer
+    group: int  # index into optimizer.param_groups
+
+
+def eligible(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
+    """None when :class:`ChunkedAdamW` computes what ``optimizers`` would; else why not."""
+    for opt in optimizers:
+        if type(opt) is not torch.optim.AdamW:
+            return f"the CPU optimizer is {type(opt).__name__}, not torch.optim.AdamW"
+        for g in opt.param_groups:
+            if g.get("fused") is not True:
+                return "the CPU AdamW is not fused (megatron-core builds it with fused=True)"
+            for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+                if g.get(key):
+                    return f"the CPU AdamW has {key}=True"
+            if isinstance(g.get("lr"), torch.Tensor):
+                return "the CPU AdamW has a tensor lr"
+    return None
+
+
+class ChunkedAdamW:
+    """AdamW over one host mirror's parameters, one fused call per chunk and hyperparameters.
+
+    Args:
+        host_params: the mirror's flat CPU parameters.
+        cpu_grads: the mirror's flat CPU gradients (same length).
+        entries: every CPU parameter of the mirror (views of ``host_params``).
+        chunks: runs of mirror coordinates covering the parameters, in update order.
+    """
+
+    def __init__(
+        self,
+        host_params: torch.Tensor,
+        cpu_grads: torch.Tensor,
+        entries: Sequence[Entry],
+        chunks: Sequence[Span],
+    ):
+        if host_params.shape != cpu_grads.shape or host_params.dtype != cpu_grads.dtype:
+            raise ValueError("host parameters and gradients must be flat tensors alike")
+        self.host_params, self.cpu_grads = host_params, cpu_grads
+        self.entries = tuple(entries)
+        base = host_params.storage_offset()
+        for e in self.entries:
+            if not (
+                e.param.untyped_storage().data_ptr() == host_params.untyped_storage().data_ptr()
+                and e.param.storage_offset() - base == e.local.start
+                and e.param.numel() == e.local.numel
+                and e.param.is_contiguous()
+            ):
+                raise ValueError(f"a CPU parameter is not the mirror's view at {e.local}")
+        self.chunks = tuple(chunks)
+        # per chunk: (entry index, mirror span) of each piece of a parameter inside it
+        self.pieces: list[list[tuple[int, Span]]] = []
+        for c in self.chunks:
+            inside = []
+            for k, e in enumerate(self.entries):
+                a, b = max(c.start, e.local.start), min(c.end, e.local.end)
+                if a < b:
+                    inside.append((k, Span(a, b)))
+            self.pieces.append(inside)
+        covered = sum(s.numel for p in self.pieces for _, s in p)
+        if covered != sum(e.local.numel for e in self.entries):
+            raise ValueError("the chunks do not cover every parameter exactly once")
+        self.exp_avg: torch.Tensor | None = None  # allocated at the first step, as torch does
+        self.exp_avg_sq: torch.Tensor | None = None
+        self._calls: list[list[tuple]] = []
+
+    def _flat(self, t: torch.Tensor | None, span: Span) -> torch.Tensor:
+        return t[span.start : span.end]
+
+    def bind_state(self) -> None:
+        """Make every parameter's ``exp_avg`` / ``exp_avg_sq`` views of the flat moments.
+
+        A parameter without state gets zeros and ``step`` 0, as torch's first step gives; a
+        parameter whose state holds other tensors (a loaded checkpoint) has them copied in.
+        The state dict objects are kept (megatron-core shares them with its own ``state``).
+        """
+        if self.exp_avg is None:
+            self.exp_avg = torch.zeros_like(self.host_params)
+            self.exp_avg_sq = torch.zeros_like(self.host_params)
+        for e in self.entries:
+            state = e.optimizer.state[e.param]
+            for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+                view = self._flat(flat, e.local).view(e.param.shape)
+                held = state.get(key)
+                if held is None:
+                    if "step" not in state:
+                        state["step"] = torch.zeros((), dtype=torch.float32)
+                    view.zero_()
+                elif held.data_ptr() != view.data_ptr() or held.shape != view.shape:
+                    view.copy_(held)
+                else:
+                    continue
+                state[key] = view
+            step = state["step"]
+            if not isinstance(step, torch.Tensor):
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)
+            elif step.dtype != torch.float32 or step.device.type != "cpu" or step.dim():
+                state["step"] = step.detach().to("cpu", torch.float32).reshape(())
+
+    def begin(self) -> None:
+        """Before the chunks: state bound, every step counter advanced once, and each chunk's
+        calls grouped by the current hyperparameters (an lr schedule changes them)."""
+        self.bind_state()
+        steps = [e.optimizer.state[e.param]["step"] for e in self.entries]
+        if steps:
+            torch._foreach_add_(steps, 1)
+        hyper = []
+        for e in self.entries:
+            g = e.optimizer.param_groups[e.group]
+            beta1, beta2 = g["betas"]
+            hyper.append((float(g["lr"]), float(beta1), float(beta2), g["weight_decay"], g["eps"]))
+        self._calls = []
+        for pieces in self.pieces:
+            grouped: dict[tuple, tuple[list, ...]] = {}
+            for k, s in pieces:
+                lists = grouped.setdefault(hyper[k], ([], [], [], [], []))
+                lists[0].append(self._flat(self.host_params, s))
+                lists[1].append(self._flat(self.cpu_grads, s))
+                lists[2].append(self._flat(self.exp_avg, s))
+                lists[3].append(self._flat(self.exp_avg_sq, s))
+                lists[4].append(steps[k])
+            self._calls.append(list(grouped.items()))
+
+    def update(self, chunk: int) -> None:
+        """The AdamW update of chunk ``chunk`` (after :meth:`begin`)."""
+        for (lr, beta1, beta2, wd, eps), (p, g, m, v, steps) in self._calls[chunk]:
+            torch._fused_adamw_(
+                p, g, m, v, [], steps, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
+                weight_decay=wd, eps=eps, maximize=False, grad_scale=None, found_inf=None,
+            )  # fmt: skip
