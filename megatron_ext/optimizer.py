@@ -136,7 +136,11 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
         child._flat = _build_state(child, placed, options)
         child.__class__ = _flat_class(type(child))
         if options.host_mirrors:
-            offload.attach_host_mirrors(child)
+            offload.attach_host_mirrors(
+                child,
+                chunked_step=options.offload_step == "chunked",
+                chunk_numel=options.offload_chunk_numel,
+            )
         # Norm and scale launches over these fixed spans, replayed as CUDA graphs.
         child._flat_norm_clip = NormClip(
             child._flat.norm_groups, child._flat.scale_groups, device, options

@@ -15,6 +15,33 @@ class MegatronOptions(BufferOptions):
         host_mirrors: with CPU offload (``optimizer_cpu_offload=True``), move gradients and
             parameters through one pinned host mirror per flat buffer
             (:mod:`megatron_ext.offload.hybrid`); False keeps megatron-core's per-parameter copies.
+        offload_step: with host mirrors, how the CPU updates its parameters:
+            ``"per_parameter"`` (megatron-core's per-parameter ``AdamW(fused=True)``
+            optimizers, one after another, after the whole block has arrived) or
+            ``"chunked"`` (:mod:`megatron_ext.offload.step`: the same fused kernel over
+            chunks of the mirror, each chunk's copies overlapping other chunks' updates; bit
+            for bit the same results). ``"chunked"`` is opt-in until it has run on a GPU.
+        offload_chunk_numel: with ``"chunked"``, about how many elements one chunk holds.
     """
 
     host_mirrors: bool = True
+    offload_step: str = "per_parameter"
+    offload_chunk_numel: int = 4 * 2**20
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.offload_step not in OFFLOAD_STEPS:
+            raise ValueError(f"offload_step={self.offload_step!r}; expected one of {OFFLOAD_STEPS}")
+        if self.offload_step == "chunked" and not self.host_mirrors:
+            raise ValueError(
+                "offload_step='chunked' runs over host mirrors; leave host_mirrors=True or use "
+                "offload_step='per_parameter'"
+            )
+        if not isinstance(self.offload_chunk_numel, int) or self.offload_chunk_numel <= 0:
+            raise ValueError(
+                f"offload_chunk_numel={self.offload_chunk_numel!r}; expected a positive int "
+                "(elements per chunk, e.g. 4 * 2**20)"
+            )
+
+
+OFFLOAD_STEPS = ("per_parameter", "chunked")

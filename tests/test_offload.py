@@ -702,6 +702,41 @@ def test_attach_to_a_distributed_optimizer(cpu_streams, pa, dp, rank):
     assert all(hdo.state[p] for p, _ in offloaded)
 
 
+@pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])
+def test_attach_with_the_chunked_step_trains_as_the_per_parameter_one(cpu_streams, pa):
+    """Through the glue (a DistributedOptimizer's attributes, megatron_ext's targets):
+    attach_host_mirrors(chunked_step=True) steps chunk by chunk, to the same bits."""
+    finals = []
+    for chunked in (False, True):
+        child = _distopt_shaped(pa, 2, 1)
+        hdo = child.optimizer
+        assert offload.attach_host_mirrors(child, chunked_step=chunked, chunk_numel=64)
+        assert hdo.chunked_step is chunked and hdo.chunk_numel == 64
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            for buf in child.buffers:
+                buf.grad_data.copy_(torch.randn(buf.grad_data.shape, generator=gen))
+            for t in child._flat.targets:
+                for dst, src in t.copies:
+                    dst.copy_(src)
+            hdo.step()
+        assert (hdo._chunked is not None) is chunked
+        if chunked:
+            _, copies, _, _ = hdo._chunked
+            assert len(copies) > sum(len(m.blocks) for m in hdo.host_mirrors)
+        assert all(hdo.state[p] for p in hdo.gpu_params_map_cpu_copy)
+        finals.append(([b.param_data.clone() for b in child.buffers], hdo))
+    (a, stock), (b, mine) = finals
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    pa_ = [p for g in stock.param_groups for p in g["params"]]
+    pb = [p for g in mine.param_groups for p in g["params"]]
+    for p, q in zip(pa_, pb, strict=True):
+        assert stock.state[p].keys() == mine.state[q].keys()
+        for key in stock.state[p]:
+            assert torch.equal(stock.state[p][key], mine.state[q][key]), key
+
+
 def test_attach_ignores_optimizers_without_offload():
     assert offload.attach_host_mirrors(object()) is False
 

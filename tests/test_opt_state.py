@@ -153,18 +153,21 @@ def test_fp32_shards_become_leaves_during_construction_only():
     assert not any(q is stock_shard for q in optimized)
 
 
-@pytest.mark.parametrize("host_mirrors", [True, False])
-def test_options_reach_every_child(monkeypatch, host_mirrors):
+@pytest.mark.parametrize(
+    "host_mirrors,step", [(True, "per_parameter"), (True, "chunked"), (False, "per_parameter")]
+)
+def test_options_reach_every_child(monkeypatch, host_mirrors, step):
     from megatron_ext import MegatronOptions, offload
 
     attached = []
-    monkeypatch.setattr(offload, "attach_host_mirrors", attached.append)
+    monkeypatch.setattr(offload, "attach_host_mirrors", lambda c, **kw: attached.append((c, kw)))
     params, named, bufs = model()
     child = float16_child(params, config(), RankGroup(1), RankGroup(1))
     child._has_grad_norm_group_cache = {"mtp": False}
-    options = MegatronOptions(host_mirrors=host_mirrors)
+    options = MegatronOptions(host_mirrors=host_mirrors, offload_step=step, offload_chunk_numel=99)
     enable_flat_norm(child, [Chunk(named, bufs)], options=options)
-    assert attached == ([child] if host_mirrors else [])
+    want = dict(chunked_step=step == "chunked", chunk_numel=99)
+    assert attached == ([(child, want)] if host_mirrors else [])
     assert child._flat_norm_clip.options is options
 
 

@@ -56,3 +56,15 @@ def test_flat_grad_buffers_take_options():
     fgb = FlatGradBuffers([p], options=BufferOptions(cuda_graphs=False))
     assert fgb._norm_clip.options.cuda_graphs is False
     assert fgb._norm_clip.replay.options is fgb.options
+
+
+def test_offload_step_choices_are_checked():
+    assert MegatronOptions().offload_step == "per_parameter"
+    assert MegatronOptions(offload_step="chunked").offload_chunk_numel == 4 * 2**20
+    with pytest.raises(ValueError, match=r"offload_step='fast'; expected one of"):
+        MegatronOptions(offload_step="fast")
+    with pytest.raises(ValueError, match="runs over host mirrors; leave host_mirrors=True"):
+        MegatronOptions(offload_step="chunked", host_mirrors=False)
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ValueError, match="offload_chunk_numel=.*positive int"):
+            MegatronOptions(offload_chunk_numel=bad)

@@ -437,11 +437,15 @@ def _chain(groups):
     return [p for g in groups for p in g]
 
 
-def attach_host_mirrors(child) -> bool:
+def attach_host_mirrors(
+    child, *, chunked_step: bool = False, chunk_numel: int = DEFAULT_CHUNK_NUMEL
+) -> bool:
     """Give a distributed optimizer's ``HybridDeviceOptimizer`` flat host mirrors.
 
     Args:
         child: one optimizer of the chain, after ``enable_flat_norm`` built its targets.
+        chunked_step: step with :mod:`.step` (:attr:`HostMirrorHybridOptimizer.chunked_step`).
+        chunk_numel: about how many elements one chunk of that step holds.
 
     Attached at every offload fraction: at fraction 0 there is no mirror, but natively
     fp32 parameters on the GPU still need :meth:`HostMirrorHybridOptimizer._set_gpu_grads`.
@@ -464,6 +468,7 @@ def attach_host_mirrors(child) -> bool:
         )
     seam.check_instance("HybridDeviceOptimizer", hdo)
     hdo.__class__ = HostMirrorHybridOptimizer
+    hdo.chunked_step, hdo.chunk_numel = bool(chunked_step), int(chunk_numel)
     hdo._offload_sources = offload_sources(child)
     # Keep megatron-core's placement and CPU copies (no second copy of every parameter);
     # rebuild the (stateless) sub-optimizers so that our hooks replace the per-parameter ones.
