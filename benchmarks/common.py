@@ -131,7 +131,14 @@ def base_parser(description: str, timed: bool = True) -> argparse.ArgumentParser
 
 
 # The scripts of this directory; every other module in it is a helper of some of them.
-SCRIPTS = ("norm_clip.py", "memory.py", "offload.py", "clip_step.py", "train_step.py")
+SCRIPTS = (
+    "norm_clip.py",
+    "memory.py",
+    "offload.py",
+    "offload_step.py",
+    "clip_step.py",
+    "train_step.py",
+)
 
 
 def not_a_script(path: str, scripts: Sequence[str] = SCRIPTS) -> str:

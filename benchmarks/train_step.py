@@ -105,15 +105,22 @@ def _model(args, fp32_islands: bool):
     return config, megatron_ext.Float16Module(config, gpt)
 
 
+# A config key that is ours, not an OptimizerConfig field: MegatronOptions.offload_step.
+OFFLOAD_STEP = "megatron_ext_offload_step"
+
+
 def _build(args, option: bool, overrides: dict, fp32_islands: bool):
     import megatron_ext
 
+    overrides = dict(overrides)
+    step = overrides.pop(OFFLOAD_STEP, "per_parameter")
     config, module = _model(args, fp32_islands)
     stack = megatron_ext.build_stack(
         module,
         config,
         per_dtype_grad_buffers=option,
         optimizer=dict(optimizer="adam", lr=1e-4, bf16=True, clip_grad=1.0, **overrides),
+        options=megatron_ext.MegatronOptions(offload_step=step) if option else None,
     )
     return stack.model, stack.optimizer
 
@@ -226,6 +233,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.cuda.set_device(0)
     title = run_title(torch.device("cuda", 0), megatron=True)
     print(title, file=sys.stderr)
+    print(
+        f"torch intra-op threads (the CPU optimizer's): {torch.get_num_threads()}", file=sys.stderr
+    )
     rows = []
     with single_rank_process_group("tcp://127.0.0.1:29541"):
         from megatron.core import parallel_state
@@ -233,6 +243,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parallel_state.initialize_model_parallel()
         runs = [(opt, label, ov, True) for label, ov in CONFIGS for opt in (True, False)]
         runs.append((False, "pa_offload_0.5", CONFIGS[0][1], False))  # stock, islands in bf16
+        for label, ov in CONFIGS[:2]:  # ours with the chunked offload step
+            runs.append((True, f"{label}_chunked", ov | {OFFLOAD_STEP: "chunked"}, True))
         per_round: list[list[dict]] = [[] for _ in runs]
         order = [i for _ in range(max(1, args.rounds)) for i in range(len(runs))]
         for i in progress(order, NAME):

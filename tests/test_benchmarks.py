@@ -244,7 +244,7 @@ def test_norm_clip_warns_when_rounds_spread_and_ratios_use_this_runs_fastest_cop
 
 # --- every script: --help, where it runs from, where it writes, what it says --------------
 
-SCRIPTS = ("norm_clip", "memory", "offload", "clip_step", "train_step")
+SCRIPTS = ("norm_clip", "memory", "offload", "offload_step", "clip_step", "train_step")
 HELPERS = ("common", "inventories", "norm_clip_variants", "memory_ddp")
 NOTICES = ("Transformer Engine and Apex", "absl.logging", "CUDA_HOME")
 
@@ -355,6 +355,60 @@ def test_train_step_on_the_cpu_fails_and_writes_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+OFFLOAD_STEP_TINY = ["--hidden", "32", "--layers", "2", "--vocab", "300", "--chunk-numel", "700"]
+OFFLOAD_STEP_TINY += ["--warmup", "1", "--reps", "2", "--rounds", "2"]
+
+
+@pytest.mark.parametrize("fraction", ["1.0", "0.5"])
+def test_offload_step_cpu_run(tmp_path, capsys, fraction):
+    script = load_script("offload_step")
+    argv = [
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+        "--fraction",
+        fraction,
+        "--threads",
+        "1",
+        "2",
+    ]
+    returned = script.main(argv + OFFLOAD_STEP_TINY)
+    records = read_outputs(tmp_path, "offload_step")
+    assert records == json.loads(json.dumps(returned))
+    assert {(r["variant"], r["mode"], r["threads"]) for r in records} == {
+        (v, m, t) for v in ("per_parameter", "chunked") for m in ("overlapped", "drained")
+        for t in (1, 2)
+    }  # fmt: skip
+    for r in records:
+        assert "error" not in r and r["same_state_as_per_parameter"] is True
+        assert r["step_s"] == min(r["step_rounds_s"]) and r["cpu_floor_s"] > 0
+        assert r["step_over_cpu_floor"] == pytest.approx(r["step_s"] / r["cpu_floor_s"])
+        assert r["chunks"] > r["blocks"] >= 1
+        drained = [r[f"{p}_s"] for p in script.PHASES]
+        if r["mode"] == "drained":
+            assert all(v is not None and v >= 0 for v in drained) and r["cpu_update_s"] > 0
+            assert (r["gpu_update_s"] == 0) == (fraction == "1.0")  # not timed when absent
+        else:
+            assert all(v is None for v in drained)
+        assert (r["gpu_numel"] > 0) == (fraction == "0.5")
+    out = capsys.readouterr()
+    assert "no device: copies are host copies" in out.err
+    assert "leave the same optimizer state: True" in out.out
+
+
+def test_offload_step_notices_a_chunked_step_that_differs(monkeypatch):
+    script = load_script("offload_step")
+    from megatron_ext.offload.step import ChunkedAdamW
+
+    setup = script.Setup(script.gpt_shapes(32, 1, 100), 1.0, 500, torch.device("cpu"))
+    assert script.same_result(setup) is True
+    real = ChunkedAdamW.update
+    monkeypatch.setattr(ChunkedAdamW, "update", lambda self, i: i == 0 or real(self, i))
+    setup = script.Setup(script.gpt_shapes(32, 1, 100), 1.0, 500, torch.device("cpu"))
+    assert script.same_result(setup) is False
+
+
 def test_offload_cpu_run(tmp_path):
     script = load_script("offload")
     argv = ["--device", "cpu", "--out", str(tmp_path), "--bytes", "65536"]
@@ -425,6 +479,7 @@ def _capture_figures(monkeypatch) -> list[dict]:
         ("memory", [], 1, True),
         ("clip_step", ["--bytes", "65536", "--warmup", "0", "--rounds", "2"], 1, False),
         ("offload", ["--bytes", "65536", "--warmup", "0", "--rounds", "2"], 2, True),
+        ("offload_step", OFFLOAD_STEP_TINY, 1, False),
         (
             "norm_clip",
             ["--scale", "0.002", "--warmup", "0", "--rounds", "2", "--variants", "flat,torch"]
