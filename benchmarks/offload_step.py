@@ -19,9 +19,10 @@ Variants, same parameters, same run:
   parameter (megatron-core's CPU optimizers), pack the block to bf16, one host-to-device
   copy per block.
 - ``chunked``: :mod:`megatron_ext.offload.step` (``MegatronOptions(offload_step="chunked")``):
-  every chunk's device-to-host copy issued at once on a copy stream; per chunk wait,
-  convert, one fused call per hyperparameter set, pack, and its host-to-device copy on
-  another stream.
+  every chunk's device-to-host copy issued at once on a copy stream; per chunk wait, then
+  in sub-ranges of ``--compute-numel`` elements convert, one fused call per hyperparameter
+  set and pack (its ``cpu_update`` phase holds all three; ``convert`` and ``pack`` are 0),
+  and its host-to-device copy on another stream.
 
 Each is measured two ways: ``overlapped`` (the step as it runs, end to end, device drained
 only before and after) and ``drained`` (each phase timed alone with the device drained
@@ -55,7 +56,13 @@ from benchmarks import common
 from buffers.spans import Span
 from megatron_ext.offload import host_mirror
 from megatron_ext.offload import plan as offload_plan
-from megatron_ext.offload.step import DEFAULT_CHUNK_NUMEL, ChunkedAdamW, Entry, chunk_spans
+from megatron_ext.offload.step import (
+    DEFAULT_CHUNK_NUMEL,
+    DEFAULT_COMPUTE_NUMEL,
+    ChunkedAdamW,
+    Entry,
+    chunk_spans,
+)
 
 NAME = "offload_step"
 PHASES = ("d2h", "wait", "convert", "cpu_update", "pack", "h2d", "gpu_update")
@@ -81,7 +88,14 @@ def gpt_shapes(hidden: int, layers: int, vocab: int) -> list[tuple[str, int, tor
 class Setup:
     """One buffer's offloaded step: device buffers, the host mirror, both CPU updates."""
 
-    def __init__(self, shapes, fraction: float, chunk_numel: int, device: torch.device):
+    def __init__(
+        self,
+        shapes,
+        fraction: float,
+        chunk_numel: int,
+        device: torch.device,
+        compute_numel: int = DEFAULT_COMPUTE_NUMEL,
+    ):
         self.device = device
         cuda = device.type == "cuda"
         spans, start = [], 0
@@ -124,7 +138,11 @@ class Setup:
         runs = chunk_spans([layout.local(b) for b in layout.blocks], chunk_numel, local)
         self.chunks = host_mirror.chunk_copies(self.mirror, runs)
         self.stepper = ChunkedAdamW(
-            self.mirror.host_params, self.mirror.cpu_grads, entries, [r for _, r in runs]
+            self.mirror.host_params,
+            self.mirror.cpu_grads,
+            entries,
+            [r for _, r in runs],
+            compute_numel,
         )
         # the GPU-resident part: fp32 masters updated by torch's fused AdamW on the device
         self.gpu_views = [self.params[s.start : s.end] for s in resident]
@@ -217,12 +235,8 @@ class Setup:
             with timer("wait"):
                 if cuda:
                     self.events[i].synchronize()
-            with timer("convert"):
-                chunk.convert_grads()
-            with timer("cpu_update"):
-                self.stepper.update(i)
-            with timer("pack"):
-                chunk.pack_params()
+            with timer("cpu_update"):  # convert, update and pack, per cache-sized sub-range
+                self.stepper.update(i, chunk)
             with timer("h2d"):
                 self._h2d(chunk)
         self._finish()
@@ -408,7 +422,8 @@ def parse_args(argv):
         ("--hidden", 2048, "hidden size"),
         ("--layers", 4, "transformer layers"),
         ("--vocab", 32000, "vocabulary size"),
-        ("--chunk-numel", DEFAULT_CHUNK_NUMEL, "elements per chunk of the chunked step"),
+        ("--chunk-numel", DEFAULT_CHUNK_NUMEL, "elements per chunk (one copy each way)"),
+        ("--compute-numel", DEFAULT_COMPUTE_NUMEL, "elements per sub-range of a chunk"),
     ):
         ap.add_argument(name, type=int, default=default, help=f"{meaning} (default: %(default)s)")
     ap.add_argument(
@@ -438,7 +453,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     warmup, reps = common.repeats(args, device)
     rounds = common.rounds(args, device)
     shapes = gpt_shapes(args.hidden, args.layers, args.vocab)
-    setup = Setup(shapes, args.fraction, args.chunk_numel, device)
+    setup = Setup(shapes, args.fraction, args.chunk_numel, device, args.compute_numel)
     identical = same_result(setup)
     original = torch.get_num_threads()
     rows = []

@@ -308,6 +308,11 @@ ENTRIES: tuple[Entry, ...] = (
           "override", "per-block hooks instead of per-parameter ones", "as above", params=()),
     Entry("hdo grads", f"{_HDO}:HybridDeviceOptimizer._set_sub_optimizer_grads", "override",
           "one device-to-host copy per block", "as above", params=()),
+    Entry("hdo step", f"{_HDO}:HybridDeviceOptimizer.step", "override",
+          "with offload_step='chunked', the CPU update runs chunk by chunk over the host "
+          "mirrors (megatron_ext.offload.step), pipelined with the copies; else megatron-core's",
+          "per-parameter CPU steps wait for the whole block and serialize the copies",
+          params=("closure=",)),
     Entry("hdo load", f"{_HDO}:HybridDeviceOptimizer._update_fp32_params_by_new_state",
           "override", "loads natively fp32 parameters too",
           "0.19.2 raises KeyError for them when loading a checkpoint", params=()),

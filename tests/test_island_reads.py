@@ -28,7 +28,7 @@ from megatron_ext.ddp import DistributedDataParallel
 from megatron_ext.layout import buffer_layout
 from megatron_ext.offload import offload_sources, source_mirror
 from megatron_ext.offload.host_mirror import chunk_copies
-from megatron_ext.offload.step import chunk_spans
+from megatron_ext.offload.step import ChunkedAdamW, Entry, chunk_spans
 from megatron_ext.opt_state import _build_state
 from megatron_ext.param_norms import MegatronParamNorms
 from tests.test_megatron_distopt_ranks import BF16, FP32, child_for_rank
@@ -237,9 +237,50 @@ def test_host_mirror_gives_the_cpu_the_island_values(chunk, every):
                 _, grad = mirror.cpu_views(span)
                 want = reads[shards[id(shard)]]
                 torch.testing.assert_close(grad.double(), want, rtol=0, atol=0)
+            if chunk is not None:  # what the chunked step's kernel reads, from its scratch
+                seen = _kernel_reads(mirror, mine, runs, copies, compute=max(1, chunk // 2))
+                for shard, span in mine:
+                    s = mirror.layout.local(span)
+                    want = reads[shards[id(shard)]]
+                    torch.testing.assert_close(seen[s.start : s.end], want, rtol=0, atol=0)
     assert islands_seen
     if every == 2:  # an island past the first block
         assert max(blocks_seen) > 1 and max(islands_seen) > 0
+
+
+def _kernel_reads(mirror, mine, runs, copies, compute):
+    """The gradient each mirror element is updated with by ChunkedAdamW.update (through a
+    spy on torch's fused kernel), NaN where none; the staging filled, cpu_grads poisoned."""
+    entries = []
+    for _, span in mine:
+        data, _ = mirror.cpu_views(span)
+        opt = torch.optim.AdamW([data], fused=True)
+        entries.append(Entry(data, mirror.layout.local(span), opt, 0))
+    stepper = ChunkedAdamW(
+        mirror.host_params, mirror.cpu_grads, entries, [r for _, r in runs], compute
+    )
+    seen = torch.full((mirror.layout.numel,), float("nan"), dtype=torch.float64)
+    base = mirror.host_params.data_ptr()
+    real = torch._fused_adamw_
+
+    def spy(params, grads, *args, **kwargs):
+        for p, g in zip(params, grads, strict=True):
+            at = (p.data_ptr() - base) // p.element_size()
+            seen[at : at + p.numel()] = g.double()
+        return real(params, grads, *args, **kwargs)
+
+    for block in copies:
+        block.start_d2h()
+    if any(b.convert is not None for b in copies):
+        mirror.cpu_grads.fill_(float("nan"))  # converted into the scratch, not read here
+    stepper.begin()
+    torch._fused_adamw_ = spy
+    try:
+        for i, block in enumerate(copies):
+            stepper.update(i, block)
+    finally:
+        torch._fused_adamw_ = real
+    return seen
 
 
 def test_a_stray_island_piece_is_refused():

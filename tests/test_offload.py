@@ -440,10 +440,12 @@ class _MirrorChunked(_MirrorPlaced):
     chunk_numel = 40
 
 
-def _hdo(cls, groups, fraction, overlap, sources=None, chunk=None):
+def _hdo(cls, groups, fraction, overlap, sources=None, chunk=None, compute=None):
     hdo = cls.__new__(cls)
     if chunk is not None:
         hdo.chunk_numel = chunk
+    if compute is not None:
+        hdo.compute_numel = compute
     if sources is not None:
         # placed from hdo.param_groups (megatron-core's defaults, fused=True, filled in), as
         # attach_host_mirrors reuses megatron-core's placement
@@ -807,10 +809,16 @@ def test_sub_optimizer_state_goes_to_its_parameters_device():
 # The chunked step (megatron_ext.offload.step)
 
 
-def _train(cls, pa, fraction, steps, chunk=None, overlap=True, reload_at=None):
+def _train(cls, pa, fraction, steps, chunk=None, overlap=True, reload_at=None, compute=None):
     bf16, fp32, groups, sources, bind, shard16 = _sim(pa, False, False, 2, 1)
     hdo = _hdo(
-        cls, groups, fraction, overlap, None if issubclass(cls, _StockPlaced) else sources, chunk
+        cls,
+        groups,
+        fraction,
+        overlap,
+        None if issubclass(cls, _StockPlaced) else sources,
+        chunk,
+        compute,
     )
     gen = torch.Generator().manual_seed(11)
     for step in range(steps):
@@ -833,14 +841,21 @@ def _assert_same_run(a, b):
     _assert_same_state(a[2], b[2])
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 10**9])
+@pytest.mark.parametrize(
+    "chunk,compute", [(1, 1), (7, 10**9), (200, 64), (10**9, 100), (10**9, 10**9)]
+)
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 @pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])
-def test_chunked_step_is_stock_bit_for_bit_at_any_chunk_size(cpu_streams, pa, fraction, chunk):
+def test_chunked_step_is_stock_bit_for_bit_at_any_chunk_size(
+    cpu_streams, pa, fraction, chunk, compute
+):
+    """Chunks (copies) and their sub-ranges (convert, update, pack) of any size."""
     stock = _train(_StockPlacedFp32Fixed, pa, fraction, 3)
-    ours = _train(_MirrorChunked, pa, fraction, 3, chunk=chunk)
+    ours = _train(_MirrorChunked, pa, fraction, 3, chunk=chunk, compute=compute)
     assert ours[2]._chunked is not None, ours[2].chunked_step_off
     steppers, copies, _, _ = ours[2]._chunked
+    subs = sum(len(c) for s in steppers for c in s.subs)
+    assert (subs > len(copies)) == (compute < chunk)
     blocks = sum(len(m.blocks) for m in ours[2].host_mirrors)
     if chunk == 10**9:
         assert len(copies) == blocks
@@ -880,9 +895,11 @@ def test_chunked_step_falls_back_where_the_cpu_adamw_is_not_fused(cpu_streams):
 
 
 def test_chunked_step_order_and_one_call_per_chunk_and_hyperparameters(cpu_streams, monkeypatch):
-    """All device-to-host copies first, then per chunk: wait, convert, update, pack, copy
-    back, in chunk order; one fused call per chunk and distinct hyperparameter set."""
+    """All device-to-host copies first, then per chunk: wait, update (converting and
+    packing), copy back, in chunk order; one fused call per sub-range and distinct
+    hyperparameter set."""
     from megatron_ext.offload import host_mirror as hm
+    from megatron_ext.offload.step import ChunkedAdamW
 
     log = []
     for name in ("start_d2h", "convert_grads", "pack_params", "start_h2d"):
@@ -893,6 +910,13 @@ def test_chunked_step_order_and_one_call_per_chunk_and_hyperparameters(cpu_strea
             return real(self)
 
         monkeypatch.setattr(hm.HostBlock, name, traced)
+    real_update = ChunkedAdamW.update
+
+    def traced_update(self, i, copies=None):
+        log.append(("update", id(copies)))
+        return real_update(self, i, copies)
+
+    monkeypatch.setattr(ChunkedAdamW, "update", traced_update)
     calls = []
     real_fused = torch._fused_adamw_
 
@@ -901,21 +925,24 @@ def test_chunked_step_order_and_one_call_per_chunk_and_hyperparameters(cpu_strea
         return real_fused(params, *args, **kwargs)
 
     monkeypatch.setattr(torch, "_fused_adamw_", counting)
-    ours = _train(_MirrorChunked, True, 1.0, 1, chunk=50)
+    ours = _train(_MirrorChunked, True, 1.0, 1, chunk=200, compute=64)
     _, copies, _, _ = ours[2]._chunked
     ids = [id(c) for c in copies]
     n = len(ids)
     assert log[:n] == [("start_d2h", i) for i in ids]
     want = []
     for i in ids:
-        want += [("convert_grads", i), ("pack_params", i), ("start_h2d", i)]
+        want += [("update", i), ("start_h2d", i)]  # it converts and packs itself
     assert log[n:] == want
-    # every chunk of 50 elements: one call per weight-decay value among its parameters
+    # every sub-range (64 elements, chunks of 200): one call per weight-decay value in it
     expected = 0
     for stepper in ours[2]._chunked[0]:
-        for pieces in stepper.pieces:
-            wds = {stepper.entries[k].optimizer.param_groups[0]["weight_decay"] for k, _ in pieces}
-            expected += len(wds)
+        for subs in stepper.subs:
+            for _, pieces in subs:
+                wds = {
+                    stepper.entries[k].optimizer.param_groups[0]["weight_decay"] for k, _ in pieces
+                }
+                expected += len(wds)
     assert len(calls) == expected and {wd for _, wd, _ in calls} == {0.0, 0.1}
 
 
@@ -945,6 +972,10 @@ def test_chunked_adamw_refuses_what_is_not_the_mirror():
     # treats every element as in the whole parameter); in gaps and at block ends anywhere
     assert chunk_spans([S(0, 300)], 100, [S(10, 210)]) == (
         (0, S(0, 74)), (0, S(74, 138)), (0, S(138, 238)), (0, S(238, 300)),
+    )  # fmt: skip
+    # a block that ends inside a parameter off the quantum: no run crosses its end
+    assert chunk_spans([S(0, 37), S(37, 80)], 18, [S(0, 80)]) == (
+        (0, S(0, 37)), (1, S(37, 64)), (1, S(64, 80)),
     )  # fmt: skip
     small = chunk_spans([S(0, 300)], 1, [S(10, 210)])
     assert [r for _, r in small][9:13] == [S(9, 10), S(10, 74), S(74, 138), S(138, 202)]

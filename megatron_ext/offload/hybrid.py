@@ -45,7 +45,14 @@ from .host_mirror import (
     chunk_copies,
 )
 from .plan import MirrorLayout, copy_schedule, mirror_layout
-from .step import DEFAULT_CHUNK_NUMEL, ChunkedAdamW, Entry, chunk_spans, eligible
+from .step import (
+    DEFAULT_CHUNK_NUMEL,
+    DEFAULT_COMPUTE_NUMEL,
+    ChunkedAdamW,
+    Entry,
+    chunk_spans,
+    eligible,
+)
 
 HybridDeviceOptimizer = seam.target("HybridDeviceOptimizer")
 DistributedOptimizer = seam.target("DistributedOptimizer")
@@ -88,6 +95,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     # ``chunked_step = True`` on the class or the instance (before the first step).
     chunked_step: bool = False
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    compute_numel: int = DEFAULT_COMPUTE_NUMEL  # sub-ranges of a chunk (ChunkedAdamW)
     _chunked: tuple | None = None
 
     def _get_sub_optimizer_param_groups(self, offload_fraction):
@@ -174,7 +182,11 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                 [e.local for e in entries],
             )
             k = len(steppers)
-            steppers.append(ChunkedAdamW(m.host_params, m.cpu_grads, entries, [r for _, r in runs]))
+            steppers.append(
+                ChunkedAdamW(
+                    m.host_params, m.cpu_grads, entries, [r for _, r in runs], self.compute_numel
+                )
+            )
             copies += chunk_copies(m, runs)
             order += [(k, i) for i in range(len(runs))]
         if sum(len(s.entries) for s in steppers) != len(where):
@@ -188,9 +200,9 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
 
         The chunked step: every chunk's device-to-host copy is issued at once on the copy
         stream; the GPU optimizer steps (its kernels run while the host works); then per
-        chunk, in order: wait for its copy, convert, one fused AdamW call per hyperparameter
-        set, pack, and its host-to-device copy on the other stream, so that chunk i's copies
-        overlap the update of its neighbours.
+        chunk, in order: wait for its copy; in cache-sized sub-ranges convert, one fused
+        AdamW call per hyperparameter set, pack; its host-to-device copy on the other
+        stream; so that chunk i's copies overlap the update of its neighbours.
         """
         if not self.chunked_step or closure is not None:
             return super().step(closure)
@@ -214,9 +226,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             stepper.begin()
         for (k, i), chunk, event in zip(order, copies, events, strict=True):
             event.synchronize()
-            chunk.convert_grads()
-            steppers[k].update(i)
-            chunk.pack_params()
+            steppers[k].update(i, chunk)  # convert, update, pack, sub-range by sub-range
             with torch.cuda.stream(self._h2d_stream):
                 chunk.start_h2d()
         self._h2d_done.record(self._h2d_stream)

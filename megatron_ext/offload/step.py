@@ -28,6 +28,9 @@ from buffers.spans import Span
 # (16 MiB of fp32) keeps a 335M-element shard at ~80 chunks (the per-call overhead is tens
 # of microseconds) while the first chunk's copy in and the last one's copy out stay short.
 DEFAULT_CHUNK_NUMEL = 4 * 2**20
+# Within a chunk, the gradients are converted, the parameters updated and packed in
+# sub-ranges of about this many elements (4 MiB of fp32 scratch), which stay in the caches.
+DEFAULT_COMPUTE_NUMEL = 2**20
 
 
 # torch's fused CPU Adam kernel walks a tensor in cache-line units (16 fp32 elements) and
@@ -66,9 +69,9 @@ def chunk_spans(
             if cut < block.end and k >= 0 and params[k].start < cut < params[k].end:
                 p = params[k]
                 snapped = p.start + (cut - p.start) // quantum * quantum
-                if snapped <= pos:  # the next allowed cut after pos
+                if snapped <= pos:  # the next allowed cut after pos, within the block
                     snapped = min(p.end, p.start + ((pos - p.start) // quantum + 1) * quantum)
-                cut = snapped
+                cut = min(snapped, block.end)
             out.append((i, Span(pos, cut)))
             pos = cut
     return tuple(out)
@@ -101,13 +104,22 @@ def eligible(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
 
 
 class ChunkedAdamW:
-    """AdamW over one host mirror's parameters, one fused call per chunk and hyperparameters.
+    """AdamW over one host mirror's parameters, chunk by chunk, each chunk in cache-sized
+    sub-ranges: convert its gradients into a reused fp32 scratch, one fused call per
+    hyperparameter set, pack its parameters, while all of it is still in the CPU's caches.
+
+    Converting and packing a whole block in passes of their own moves each element's fp32
+    gradient and parameter through memory twice more than the update does (~1.45x the
+    update's time on a 2-core EPYC, 32 Mi elements); in sub-ranges of 1 Mi elements, ~1.15x.
 
     Args:
         host_params: the mirror's flat CPU parameters.
-        cpu_grads: the mirror's flat CPU gradients (same length).
+        cpu_grads: the mirror's flat CPU gradients (same length); read directly only where
+            the gradients arrive in the CPU dtype (no conversion).
         entries: every CPU parameter of the mirror (views of ``host_params``).
-        chunks: runs of mirror coordinates covering the parameters, in update order.
+        chunks: runs of mirror coordinates covering the parameters, in update order (what
+            one device copy each way moves).
+        compute_numel: the sub-range length aimed at (cut as :func:`chunk_spans` cuts).
     """
 
     def __init__(
@@ -116,6 +128,7 @@ class ChunkedAdamW:
         cpu_grads: torch.Tensor,
         entries: Sequence[Entry],
         chunks: Sequence[Span],
+        compute_numel: int = DEFAULT_COMPUTE_NUMEL,
     ):
         if host_params.shape != cpu_grads.shape or host_params.dtype != cpu_grads.dtype:
             raise ValueError("host parameters and gradients must be flat tensors alike")
@@ -131,21 +144,34 @@ class ChunkedAdamW:
             ):
                 raise ValueError(f"a CPU parameter is not the mirror's view at {e.local}")
         self.chunks = tuple(chunks)
-        # per chunk: (entry index, mirror span) of each piece of a parameter inside it
-        self.pieces: list[list[tuple[int, Span]]] = []
+        spans = [e.local for e in self.entries]
+        # per chunk, per sub-range: (sub-range, [(entry index, mirror span) of each piece])
+        self.subs: list[list[tuple[Span, list[tuple[int, Span]]]]] = []
+        longest = 0
         for c in self.chunks:
-            inside = []
-            for k, e in enumerate(self.entries):
-                a, b = max(c.start, e.local.start), min(c.end, e.local.end)
-                if a < b:
-                    inside.append((k, Span(a, b)))
-            self.pieces.append(inside)
-        covered = sum(s.numel for p in self.pieces for _, s in p)
+            per_chunk = []
+            for _, sub in chunk_spans([c], compute_numel, spans):
+                inside = []
+                for k, e in enumerate(self.entries):
+                    a, b = max(sub.start, e.local.start), min(sub.end, e.local.end)
+                    if a < b:
+                        inside.append((k, Span(a, b)))
+                per_chunk.append((sub, inside))
+                longest = max(longest, sub.numel)
+            self.subs.append(per_chunk)
+        covered = sum(s.numel for c in self.subs for _, p in c for _, s in p)
         if covered != sum(e.local.numel for e in self.entries):
             raise ValueError("the chunks do not cover every parameter exactly once")
+        self.scratch = torch.empty(longest, dtype=host_params.dtype)
         self.exp_avg: torch.Tensor | None = None  # allocated at the first step, as torch does
         self.exp_avg_sq: torch.Tensor | None = None
-        self._calls: list[list[tuple]] = []
+        self._hyper: list[tuple] = []
+        self._steps: list[torch.Tensor] = []
+
+    @property
+    def pieces(self) -> list[list[tuple[int, Span]]]:
+        """Per chunk, every (entry index, mirror span) piece in it."""
+        return [[x for _, inside in c for x in inside] for c in self.subs]
 
     def _flat(self, t: torch.Tensor | None, span: Span) -> torch.Tensor:
         return t[span.start : span.end]
@@ -181,33 +207,69 @@ class ChunkedAdamW:
                 state["step"] = step.detach().to("cpu", torch.float32).reshape(())
 
     def begin(self) -> None:
-        """Before the chunks: state bound, every step counter advanced once, and each chunk's
-        calls grouped by the current hyperparameters (an lr schedule changes them)."""
+        """Before the chunks: state bound, every step counter advanced once, and the current
+        hyperparameters read (an lr schedule changes them)."""
         self.bind_state()
-        steps = [e.optimizer.state[e.param]["step"] for e in self.entries]
-        if steps:
-            torch._foreach_add_(steps, 1)
-        hyper = []
+        self._steps = [e.optimizer.state[e.param]["step"] for e in self.entries]
+        if self._steps:
+            torch._foreach_add_(self._steps, 1)
+        self._hyper = []
         for e in self.entries:
             g = e.optimizer.param_groups[e.group]
             beta1, beta2 = g["betas"]
-            hyper.append((float(g["lr"]), float(beta1), float(beta2), g["weight_decay"], g["eps"]))
-        self._calls = []
-        for pieces in self.pieces:
+            self._hyper.append(
+                (float(g["lr"]), float(beta1), float(beta2), g["weight_decay"], g["eps"])
+            )
+
+    def update(self, chunk: int, copies=None) -> None:
+        """The AdamW update of chunk ``chunk`` (after :meth:`begin`).
+
+        ``copies``: the chunk's :class:`~megatron_ext.offload.host_mirror.HostBlock`. With
+        it, each sub-range's gradients are converted from its staging into the scratch (or
+        read in place), its island pieces laid over them, and after the update its
+        parameters packed into the staging. Without it, gradients are read from
+        ``cpu_grads`` and nothing is packed.
+        """
+        c0 = self.chunks[chunk].start
+        convert = None if copies is None else copies.convert
+        islands = []
+        if copies is not None:
+            base = self.cpu_grads.storage_offset()
+            for stage, _, cpu in copies.islands:
+                at = cpu.storage_offset() - base
+                islands.append((Span(at, at + cpu.numel()), stage, cpu))
+        for sub, inside in self.subs[chunk]:
+            if convert is not None:
+                grads = self.scratch[: sub.numel]
+                grads.copy_(convert[1][sub.start - c0 : sub.end - c0])
+                for span, stage, _ in islands:
+                    a, b = max(sub.start, span.start), min(sub.end, span.end)
+                    if a < b:
+                        grads[a - sub.start : b - sub.start].copy_(
+                            stage[a - span.start : b - span.start]
+                        )
+                origin = sub.start
+            else:
+                for span, stage, cpu in islands:
+                    a, b = max(sub.start, span.start), min(sub.end, span.end)
+                    if a < b:
+                        cpu[a - span.start : b - span.start].copy_(
+                            stage[a - span.start : b - span.start]
+                        )
+                grads, origin = self.cpu_grads, 0
             grouped: dict[tuple, tuple[list, ...]] = {}
-            for k, s in pieces:
-                lists = grouped.setdefault(hyper[k], ([], [], [], [], []))
+            for k, s in inside:
+                lists = grouped.setdefault(self._hyper[k], ([], [], [], [], []))
                 lists[0].append(self._flat(self.host_params, s))
-                lists[1].append(self._flat(self.cpu_grads, s))
+                lists[1].append(grads[s.start - origin : s.end - origin])
                 lists[2].append(self._flat(self.exp_avg, s))
                 lists[3].append(self._flat(self.exp_avg_sq, s))
-                lists[4].append(steps[k])
-            self._calls.append(list(grouped.items()))
-
-    def update(self, chunk: int) -> None:
-        """The AdamW update of chunk ``chunk`` (after :meth:`begin`)."""
-        for (lr, beta1, beta2, wd, eps), (p, g, m, v, steps) in self._calls[chunk]:
-            torch._fused_adamw_(
-                p, g, m, v, [], steps, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
-                weight_decay=wd, eps=eps, maximize=False, grad_scale=None, found_inf=None,
-            )  # fmt: skip
+                lists[4].append(self._steps[k])
+            for (lr, beta1, beta2, wd, eps), (p, g, m, v, steps) in grouped.items():
+                torch._fused_adamw_(
+                    p, g, m, v, [], steps, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
+                    weight_decay=wd, eps=eps, maximize=False, grad_scale=None, found_inf=None,
+                )  # fmt: skip
+            if copies is not None:
+                dst, src = copies.pack
+                dst[sub.start - c0 : sub.end - c0].copy_(src[sub.start - c0 : sub.end - c0])
