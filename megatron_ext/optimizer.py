@@ -140,6 +140,7 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
                 child,
                 chunked_step=options.offload_step == "chunked",
                 chunk_numel=options.offload_chunk_numel,
+                threads=options.offload_threads,
             )
         # Norm and scale launches over these fixed spans, replayed as CUDA graphs.
         child._flat_norm_clip = NormClip(

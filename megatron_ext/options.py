@@ -22,11 +22,16 @@ class MegatronOptions(BufferOptions):
             chunks of the mirror, each chunk's copies overlapping other chunks' updates; bit
             for bit the same results). ``"chunked"`` is opt-in until it has run on a GPU.
         offload_chunk_numel: with ``"chunked"``, about how many elements one chunk holds.
+        offload_threads: torch's intra-op threads while the offloaded optimizer steps (the
+            CPU update runs on them); None leaves torch's setting (``OMP_NUM_THREADS``,
+            which ``torchrun`` sets to 1 unless told otherwise). About the host's cores
+            divided by the ranks on it.
     """
 
     host_mirrors: bool = True
     offload_step: str = "per_parameter"
     offload_chunk_numel: int = 4 * 2**20
+    offload_threads: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -36,6 +41,14 @@ class MegatronOptions(BufferOptions):
             raise ValueError(
                 "offload_step='chunked' runs over host mirrors; leave host_mirrors=True or use "
                 "offload_step='per_parameter'"
+            )
+        threads = self.offload_threads
+        if threads is not None and (
+            not isinstance(threads, int) or isinstance(threads, bool) or threads <= 0
+        ):
+            raise ValueError(
+                f"offload_threads={threads!r}; expected None (torch's setting) or a positive "
+                "int (threads for the CPU optimizer step)"
             )
         if not isinstance(self.offload_chunk_numel, int) or self.offload_chunk_numel <= 0:
             raise ValueError(

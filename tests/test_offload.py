@@ -739,6 +739,65 @@ def test_attach_with_the_chunked_step_trains_as_the_per_parameter_one(cpu_stream
             assert torch.equal(stock.state[p][key], mine.state[q][key]), key
 
 
+def test_threads_are_set_for_the_step_and_restored(cpu_streams, monkeypatch):
+    import warnings as w
+
+    from megatron_ext.offload import hybrid
+
+    seen = []
+    real_step = HybridDeviceOptimizer.step
+
+    def spy(self, closure=None):
+        seen.append(torch.get_num_threads())
+        return real_step(self, closure)
+
+    monkeypatch.setattr(HybridDeviceOptimizer, "step", spy)
+    before = torch.get_num_threads()
+    other = 1 if before > 1 else 2
+    child = _distopt_shaped(True, 1, 0)
+    with w.catch_warnings():
+        w.simplefilter("ignore")  # other=1 may warn; the warning has its own test
+        offload.attach_host_mirrors(child, threads=other)
+    for buf in child.buffers:
+        buf.grad_data.normal_()
+    for t in child._flat.targets:
+        for dst, src in t.copies:
+            dst.copy_(src)
+    child.optimizer.step()
+    assert seen == [other] and torch.get_num_threads() == before
+    # chunked: the fused kernel runs under the same setting
+    counts = []
+    real = torch._fused_adamw_
+    monkeypatch.setattr(
+        torch,
+        "_fused_adamw_",
+        lambda *a, **k: counts.append(torch.get_num_threads()) or real(*a, **k),
+    )
+    child.optimizer.chunked_step = True
+    child.optimizer.step()
+    assert counts and set(counts) == {other} and torch.get_num_threads() == before
+    with hybrid.cpu_threads(None):
+        assert torch.get_num_threads() == before
+
+
+def test_one_thread_of_several_cores_is_warned_about(cpu_streams, monkeypatch):
+    import warnings as w
+
+    from megatron_ext.offload import hybrid
+
+    monkeypatch.setattr(hybrid, "usable_cores", lambda: 16)
+    with pytest.warns(UserWarning, match=r"1 thread of the 16 cores.*offload_threads=N"):
+        offload.attach_host_mirrors(_distopt_shaped(True, 1, 0), threads=1)
+    with w.catch_warnings():
+        w.simplefilter("error")
+        offload.attach_host_mirrors(_distopt_shaped(True, 1, 0), threads=4)
+    monkeypatch.setattr(hybrid, "usable_cores", lambda: 1)
+    assert hybrid.threads_warning(1) is None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(hybrid, "usable_cores", lambda: 8)
+    assert "1 thread of the 8 cores" in hybrid.threads_warning(None)
+
+
 def test_attach_ignores_optimizers_without_offload():
     assert offload.attach_host_mirrors(object()) is False
 

@@ -166,7 +166,7 @@ def test_options_reach_every_child(monkeypatch, host_mirrors, step):
     child._has_grad_norm_group_cache = {"mtp": False}
     options = MegatronOptions(host_mirrors=host_mirrors, offload_step=step, offload_chunk_numel=99)
     enable_flat_norm(child, [Chunk(named, bufs)], options=options)
-    want = dict(chunked_step=step == "chunked", chunk_numel=99)
+    want = dict(chunked_step=step == "chunked", chunk_numel=99, threads=None)
     assert attached == ([(child, want)] if host_mirrors else [])
     assert child._flat_norm_clip.options is options
 

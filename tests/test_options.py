@@ -68,3 +68,11 @@ def test_offload_step_choices_are_checked():
     for bad in (0, -5, 2.5):
         with pytest.raises(ValueError, match="offload_chunk_numel=.*positive int"):
             MegatronOptions(offload_chunk_numel=bad)
+
+
+def test_offload_threads_are_checked():
+    assert MegatronOptions().offload_threads is None
+    assert MegatronOptions(offload_threads=3).offload_threads == 3
+    for bad in (0, -1, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="offload_threads=.*positive int"):
+            MegatronOptions(offload_threads=bad)

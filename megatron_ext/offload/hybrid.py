@@ -28,7 +28,10 @@ the gradients where they arrive in a narrower dtype.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -95,6 +98,8 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     # ``chunked_step = True`` on the class or the instance (before the first step).
     chunked_step: bool = False
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    # torch intra-op threads during the step (the CPU update's); None: leave torch's setting
+    cpu_threads: int | None = None
     compute_numel: int = DEFAULT_COMPUTE_NUMEL  # sub-ranges of a chunk (ChunkedAdamW)
     _chunked: tuple | None = None
 
@@ -196,6 +201,12 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         return steppers, copies, events, order
 
     def step(self, closure=None):
+        """megatron-core's step, or the chunked one (:attr:`chunked_step`), with torch's
+        intra-op threads set to :attr:`cpu_threads` for its duration when that is set."""
+        with cpu_threads(self.cpu_threads):
+            return self._step(closure)
+
+    def _step(self, closure=None):
         """megatron-core's step, or the chunked one (:attr:`chunked_step`).
 
         The chunked step: every chunk's device-to-host copy is issued at once on the copy
@@ -318,6 +329,42 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     def host_mirror_stats(self) -> list[dict]:
         """:meth:`BufferMirror.stats` of every buffer with offloaded parameters."""
         return [m.stats() for m in self.host_mirrors]
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int | None):
+    """torch's intra-op threads set to ``n`` inside, restored after (None: unchanged)."""
+    if n is None or n == torch.get_num_threads():
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def threads_warning(threads: int | None) -> str | None:
+    """A line when the CPU update would run on one thread of several usable cores."""
+    n = torch.get_num_threads() if threads is None else threads
+    cores = usable_cores()
+    if n > 1 or cores <= 1:
+        return None
+    return (
+        f"the offloaded CPU optimizer step will use 1 thread of the {cores} cores this "
+        "process may use (torchrun sets OMP_NUM_THREADS=1 unless told otherwise); pass "
+        "megatron_ext.MegatronOptions(offload_threads=N), N about the cores per rank on "
+        "this host, or set OMP_NUM_THREADS"
+    )
 
 
 def source_mirror(source: OffloadSource, offloaded, *, pin: bool):
@@ -448,7 +495,11 @@ def _chain(groups):
 
 
 def attach_host_mirrors(
-    child, *, chunked_step: bool = False, chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    child,
+    *,
+    chunked_step: bool = False,
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+    threads: int | None = None,
 ) -> bool:
     """Give a distributed optimizer's ``HybridDeviceOptimizer`` flat host mirrors.
 
@@ -456,6 +507,9 @@ def attach_host_mirrors(
         child: one optimizer of the chain, after ``enable_flat_norm`` built its targets.
         chunked_step: step with :mod:`.step` (:attr:`HostMirrorHybridOptimizer.chunked_step`).
         chunk_numel: about how many elements one chunk of that step holds.
+        threads: torch's intra-op threads during each step (the CPU update's); None
+            leaves torch's setting. Warns when the update would get one thread of several
+            usable cores.
 
     Attached at every offload fraction: at fraction 0 there is no mirror, but natively
     fp32 parameters on the GPU still need :meth:`HostMirrorHybridOptimizer._set_gpu_grads`.
@@ -479,6 +533,11 @@ def attach_host_mirrors(
     seam.check_instance("HybridDeviceOptimizer", hdo)
     hdo.__class__ = HostMirrorHybridOptimizer
     hdo.chunked_step, hdo.chunk_numel = bool(chunked_step), int(chunk_numel)
+    hdo.cpu_threads = threads
+    if hdo.cpu_param_groups:
+        warning = threads_warning(threads)
+        if warning:
+            warnings.warn(warning, stacklevel=2)
     hdo._offload_sources = offload_sources(child)
     # Keep megatron-core's placement and CPU copies (no second copy of every parameter);
     # rebuild the (stateless) sub-optimizers so that our hooks replace the per-parameter ones.
