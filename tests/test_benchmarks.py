@@ -547,3 +547,21 @@ def test_train_step_rows_take_each_phase_from_the_fastest_round():
     assert row["peak_gib"] == 2.5 and row["grad_norm"] == 1.25
     failed = script.combine_rounds([rounds[0], {"config": "distopt", "error": "E: x"}])
     assert failed["error"] == "E: x" and "fwd_bwd_ms" not in failed
+
+
+def test_train_step_times_the_offload_optimizers_own_step(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    script = load_script("train_step")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+    hdo = HybridDeviceOptimizer.__new__(HybridDeviceOptimizer)
+    hdo.step = lambda closure=None: calls.append(closure) or "stepped"
+    chain = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=hdo)])
+    seconds = script._time_offload_steps(chain)
+    assert hdo.step() == "stepped" and hdo.step(None) == "stepped"
+    assert calls == [None, None] and len(seconds) == 2 and all(s >= 0 for s in seconds)
+    plain = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=object())])
+    assert script._time_offload_steps(plain) is None
