@@ -892,6 +892,73 @@ def _train(cls, pa, fraction, steps, chunk=None, overlap=True, reload_at=None, c
     return bf16, fp32, hdo, shard16
 
 
+def test_chunked_step_reports_its_host_bytes_and_allocates_once(cpu_streams):
+    ours = _train(_MirrorChunked, True, 1.0, 1, chunk=200, compute=64)
+    hdo = ours[2]
+    steppers = hdo._chunked[0]
+    stats = hdo.host_mirror_stats()
+    ptrs = [(s.exp_avg.data_ptr(), s.exp_avg_sq.data_ptr(), s.scratch.data_ptr()) for s in steppers]
+    for row, stepper in zip(stats, steppers, strict=True):
+        per_param = sum(8 * e.param.numel() for e in stepper.entries)  # torch's two moments
+        assert row["moment_bytes"] == per_param + row["moment_padding_bytes"]
+        assert row["moment_padding_bytes"] == 8 * (stepper.host_params.numel() - per_param // 8)
+        assert row["scratch_bytes"] == 4 * max(s.numel for c in stepper.subs for s, _ in c)
+    hdo.step()
+    hdo.step()
+    after = [
+        (s.exp_avg.data_ptr(), s.exp_avg_sq.data_ptr(), s.scratch.data_ptr()) for s in steppers
+    ]
+    assert after == ptrs  # the same host tensors every step
+    per_param = [m.stats() for m in hdo.host_mirrors]
+    for row, plain in zip(stats, per_param, strict=True):
+        assert {k: row[k] for k in plain} == plain  # the mirrors' own bytes unchanged
+
+
+def _train_switching(first, second, pa, fraction, steps, switch_at):
+    """_train's run, checkpointed after ``switch_at`` steps of ``first`` and resumed in a
+    fresh ``second`` optimizer over fresh buffers (model parameters copied, optimizer state
+    through state_dict / load_state_dict)."""
+    gen = torch.Generator().manual_seed(11)
+    run = None
+    for step in range(steps):
+        if step in (0, switch_at):
+            cls = first if step == 0 else second
+            bf16, fp32, groups, sources, bind, shard16 = _sim(pa, False, False, 2, 1)
+            hdo = _hdo(cls, groups, fraction, True, sources, 200, 64)
+            if run is not None:  # the checkpoint: model parameters, then optimizer state
+                bf16.param_data.copy_(run[0].param_data)
+                fp32.param_data.copy_(run[1].param_data)
+                for dst, src in zip(shard16.values(), run[3].values(), strict=True):
+                    dst.copy_(src)
+                hdo.load_state_dict(run[2].state_dict())
+            run = (bf16, fp32, hdo, shard16)
+        bf16.grad_data.copy_(torch.randn(bf16.grad_data.numel(), generator=gen))
+        fp32.grad_data.copy_(torch.randn(fp32.grad_data.numel(), generator=gen))
+        bind()
+        for i, g in enumerate(hdo.param_groups):
+            g["lr"] = 3e-3 * (step + 2) * (i + 1)
+        hdo.step()
+    return run
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])
+@pytest.mark.parametrize(
+    "first,second",
+    [(_MirrorChunked, _MirrorPlaced), (_MirrorPlaced, _MirrorChunked)],
+    ids=["chunked_to_per_parameter", "per_parameter_to_chunked"],
+)
+def test_checkpoints_move_between_the_chunked_and_per_parameter_steps(
+    cpu_streams, first, second, pa, fraction
+):
+    """Saved by one step kind, loaded into the other: megatron-core's format either way,
+    and the run continues as an uninterrupted per-parameter one, bit for bit."""
+    plain = _train(_StockPlacedFp32Fixed, pa, fraction, 4)
+    switched = _train_switching(first, second, pa, fraction, 4, switch_at=2)
+    assert (switched[2]._chunked is not None) == (second is _MirrorChunked)
+    _assert_same_run(plain, switched)
+
+
 def _assert_same_run(a, b):
     assert torch.equal(a[0].param_data, b[0].param_data)
     assert torch.equal(a[1].param_data, b[1].param_data)

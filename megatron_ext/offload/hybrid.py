@@ -327,8 +327,23 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                 inner.data.copy_(param)
 
     def host_mirror_stats(self) -> list[dict]:
-        """:meth:`BufferMirror.stats` of every buffer with offloaded parameters."""
-        return [m.stats() for m in self.host_mirrors]
+        """:meth:`BufferMirror.stats` of every buffer with offloaded parameters; once the
+        chunked step has been built, also its host bytes per buffer: ``moment_bytes`` (the
+        flat AdamW moments, 0 before the first step; per-parameter optimizers hold the same
+        minus the padding between parameters, ``moment_padding_bytes``) and
+        ``scratch_bytes`` (the reused fp32 gradient scratch)."""
+        stats = [m.stats() for m in self.host_mirrors]
+        if self._chunked is not None:
+            for row, stepper in zip(stats, self._chunked[0], strict=True):
+                flat = stepper.host_params
+                params = sum(e.local.numel for e in stepper.entries)
+                allocated = stepper.exp_avg is not None
+                row["moment_bytes"] = 2 * flat.numel() * flat.element_size() if allocated else 0
+                row["moment_padding_bytes"] = (
+                    2 * (flat.numel() - params) * flat.element_size() if allocated else 0
+                )
+                row["scratch_bytes"] = stepper.scratch.numel() * stepper.scratch.element_size()
+        return stats
 
 
 @contextlib.contextmanager
