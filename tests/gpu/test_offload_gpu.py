@@ -73,7 +73,7 @@ class Net(torch.nn.Module):
 
 
 def build(*, fraction, pa, overlap, fp32_first=False, grads_fp32=False, host_mirrors=True,
-          with_fp32=True):  # fmt: skip
+          with_fp32=True, offload_step="per_parameter", chunk=None, compute=None):  # fmt: skip
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_ext
@@ -102,8 +102,15 @@ def build(*, fraction, pa, overlap, fp32_first=False, grads_fp32=False, host_mir
             optimizer_offload_fraction=fraction,
             overlap_cpu_optimizer_d2h_h2d=overlap,
         ),
-        options=megatron_ext.MegatronOptions(host_mirrors=host_mirrors),
+        options=megatron_ext.MegatronOptions(
+            host_mirrors=host_mirrors,
+            offload_step=offload_step,
+            **({} if chunk is None else {"offload_chunk_numel": chunk}),
+        ),
     )
+    if compute is not None:
+        for hdo in hdos(stack.optimizer):
+            hdo.compute_numel = compute  # read when the chunked step is first built
     return stack.model, stack.optimizer
 
 
@@ -254,6 +261,25 @@ def test_matches_per_parameter_path_bit_for_bit(case):
             assert not hdo.cpu_copy_map_grad  # no per-parameter pinned gradients
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c["fraction"] > 0], ids=case_id)
+def test_chunked_step_matches_per_parameter_path_bit_for_bit(case):
+    """offload_step='chunked' (chunks of 1000 elements, sub-ranges of 300) against
+    megatron-core's per-parameter path: the same bits, with real streams and pinned copies
+    overlapping the host work."""
+    ours = build(**case, offload_step="chunked", chunk=1000, compute=300)
+    ref = build(**{**case, "overlap": False}, host_mirrors=False)
+    fix_reference(ref[1])
+    views = cpu_views(ours[1])
+    for step in range(STEPS):
+        step_both(ours, ref, step)
+        assert_same(ours, ref, f"step {step}")
+        assert cpu_views(ours[1]) == views
+    for hdo in hdos(ours[1]):
+        assert hdo._chunked is not None, hdo.chunked_step_off
+        _, copies, _, _ = hdo._chunked
+        assert len(copies) > sum(len(m.blocks) for m in hdo.host_mirrors)
+
+
 def cpu_views(opt):
     """(data pointer of every CPU parameter, of its gradient), per optimizer."""
     return [
@@ -359,10 +385,14 @@ def test_one_copy_per_block_each_way_in_the_gradient_dtype(fraction, pa, overlap
 
 @pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])
 def test_no_device_allocation_in_the_offloaded_step(pa):
-    """At fraction 1 the inner step is copies and CPU work: the device allocates nothing."""
+    """At fraction 1 the inner step is copies and CPU work: the device allocates nothing
+    (per-parameter and chunked host-mirror steps)."""
     peaks = {}
-    for host_mirrors in (True, False):
-        model, opt = build(fraction=1.0, pa=pa, overlap=True, host_mirrors=host_mirrors)
+    for host_mirrors, step_kind in ((True, "per_parameter"), (False, "per_parameter"),
+                                    (True, "chunked")):  # fmt: skip
+        model, opt = build(
+            fraction=1.0, pa=pa, overlap=True, host_mirrors=host_mirrors, offload_step=step_kind
+        )
         for step in range(2):
             make_grads(model, opt, step)
             opt.step()
@@ -375,8 +405,10 @@ def test_no_device_allocation_in_the_offloaded_step(pa):
         for hdo in hdos(opt):
             hdo.step()
         torch.cuda.synchronize()
-        peaks[host_mirrors] = torch.cuda.max_memory_allocated() - base
-    assert peaks[True] == 0
+        peaks[host_mirrors if step_kind == "per_parameter" else step_kind] = (
+            torch.cuda.max_memory_allocated() - base
+        )
+    assert peaks[True] == 0 and peaks["chunked"] == 0
     if pa:
         # megatron-core converts bf16 <-> fp32 on the GPU, into temporaries, every step
         assert peaks[False] > 0
