@@ -56,7 +56,8 @@ def _model_class():
     return CheckpointableMixed
 
 
-def build(option: bool, seed: int = 0, distributed: bool = True, module_fn=None, **opt_overrides):
+def build(option: bool, seed: int = 0, distributed: bool = True, module_fn=None, options=None,
+          **opt_overrides):  # fmt: skip
     """DDP (option on or off) and the optimizer around ``module_fn(config)`` (default: the
     checkpointable bf16/fp32 model), distributed optimizer unless ``distributed=False``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -78,6 +79,7 @@ def build(option: bool, seed: int = 0, distributed: bool = True, module_fn=None,
         per_dtype_grad_buffers=option,
         distributed_optimizer=distributed,
         optimizer=dict(optimizer="adam", lr=1e-3, bf16=True, clip_grad=0.05) | opt_overrides,
+        options=options,
     )
     return stack.model, stack.optimizer
 
@@ -238,26 +240,42 @@ def _mixed_with_expert_fc2(config):
     return module
 
 
+STEP_KINDS = [
+    ("per_parameter", "per_parameter"),
+    ("chunked", "per_parameter"),
+    ("per_parameter", "chunked"),
+    ("chunked", "chunked"),
+]
+
+
+@pytest.mark.parametrize("saver,loader", STEP_KINDS, ids=[f"{a}_to_{b}" for a, b in STEP_KINDS])
 @pytest.mark.parametrize("experts", [False, True], ids=["dense", "experts"])
 @pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
-def test_offloaded_precision_aware_checkpoint_resumes_bit_for_bit(tmp_path, fmt, fraction, experts):
+def test_offloaded_precision_aware_checkpoint_resumes_bit_for_bit(
+    tmp_path, fmt, fraction, experts, saver, loader
+):
     """Megatron-LM's --load with --use-precision-aware-optimizer --optimizer-cpu-offload:
     save after three steps, load into a never-stepped optimizer (fp32 islands included),
     then the inner parameters, every sub-optimizer state (``step`` per parameter) and
-    three more steps must equal the run that saved."""
+    three more steps must equal the run that saved. Saved and loaded with either offload
+    step (MegatronOptions.offload_step): one format, the same bits."""
+    import megatron_ext
+
     kw = dict(
         use_precision_aware_optimizer=True,
         optimizer_cpu_offload=True,
         optimizer_offload_fraction=fraction,
         module_fn=_mixed_with_expert_fc2 if experts else None,
     )
-    model, opt = build(True, **kw)
+    model, opt = build(True, options=megatron_ext.MegatronOptions(offload_step=saver), **kw)
     assert len(opt.chained_optimizers) == (2 if experts else 1)
     train(model, opt, 3)
     save(model, opt, tmp_path / "ckpt", fmt)
     want = offloaded_state(opt)
-    other, other_opt = build(True, seed=1, **kw)
+    other, other_opt = build(
+        True, seed=1, options=megatron_ext.MegatronOptions(offload_step=loader), **kw
+    )
     load(other, other_opt, tmp_path / "ckpt", fmt)
     for name, p in params_of(other).items():
         assert torch.equal(p, params_of(model)[name]), f"{name} differs after loading"
