@@ -914,6 +914,30 @@ def test_chunked_step_reports_its_host_bytes_and_allocates_once(cpu_streams):
         assert {k: row[k] for k in plain} == plain  # the mirrors' own bytes unchanged
 
 
+def test_chunked_mirrors_keep_no_host_copy_of_the_gradients(cpu_streams):
+    """bf16 gradients: the per-parameter step reads an fp32 host copy of them (4 bytes per
+    element); the chunked step converts into its scratch, so its mirror has none."""
+    per = _train(_MirrorPlaced, True, 1.0, 1)[2]
+    lean = _train(_MirrorChunked, True, 1.0, 1, chunk=200, compute=64)[2]
+    by_name = {m["buffer"]: m for m in per.host_mirror_stats()}
+    for row in lean.host_mirror_stats():
+        plain = by_name[row["buffer"]]
+        if row["grads_dtype"] == torch.bfloat16:
+            assert plain["host_grad_bytes"] == 2 * plain["staging_bytes"] > 0
+            assert row["host_grad_bytes"] == 0
+        else:  # fp32 gradients are read in the staging by both
+            assert row["host_grad_bytes"] == plain["host_grad_bytes"] == 0
+        assert row["staging_bytes"] == plain["staging_bytes"]
+        assert row["host_param_bytes"] == plain["host_param_bytes"]
+    bf16_mirror = next(m for m in lean.host_mirrors if m.grads_dtype == torch.bfloat16)
+    assert bf16_mirror.cpu_grads is None
+    with pytest.raises(RuntimeError, match="lean .*only the chunked offload step converts"):
+        bf16_mirror.blocks[0].convert_grads()
+    lean.chunked_step = False  # the per-parameter step would read no gradients: refused
+    with pytest.raises(RuntimeError, match="chunked_step is off.*offload_step='per_parameter'"):
+        lean.step()
+
+
 def _train_switching(first, second, pa, fraction, steps, switch_at):
     """_train's run, checkpointed after ``switch_at`` steps of ``first`` and resumed in a
     fresh ``second`` optimizer over fresh buffers (model parameters copied, optimizer state
@@ -1008,15 +1032,16 @@ def test_chunked_step_state_round_trip_keeps_the_trajectory(cpu_streams, fractio
 
 def test_chunked_step_falls_back_where_the_cpu_adamw_is_not_fused(cpu_streams):
     class NotFused(_MirrorChunked):
-        def _init_sub_optimizers(self):
-            super()._init_sub_optimizers()
+        def _build_host_mirrors(self):
             for opt in self.cpu_optimizers:
                 for g in opt.param_groups:
                     g["fused"] = None
+            super()._build_host_mirrors()
 
     ours = _train(NotFused, True, 1.0, 2, chunk=7)
     assert ours[2]._chunked is None
     assert "not fused" in ours[2].chunked_step_off
+    assert not ours[2]._lean  # built with the host gradients the fallback reads
     assert all(s.get("exp_avg") is not None for s in ours[2].state.values())
 
 

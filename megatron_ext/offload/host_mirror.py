@@ -18,25 +18,35 @@ class HostBlock:
     """One block's four copies, as (destination, source) views built once."""
 
     d2h: tuple[torch.Tensor, torch.Tensor]  # staging (gradient dtype) <- device gradients
-    convert: tuple[torch.Tensor, torch.Tensor] | None  # CPU-dtype gradients <- staging
+    # CPU-dtype gradients <- staging; None: read in place. In a lean mirror the destination
+    # is None too: only the chunked step converts, into its scratch (offload.step).
+    convert: tuple[torch.Tensor | None, torch.Tensor] | None
     pack: tuple[torch.Tensor, torch.Tensor]  # staging (device parameter dtype) <- host params
     h2d: tuple[torch.Tensor, torch.Tensor]  # device parameters <- staging
-    # (fp32 staging, device island view, CPU gradient view) of each fp32 local-accumulation
-    # parameter in this block: the optimizer reads its gradient in the island (unscaled
-    # there), not in the buffer, so the CPU gets it from there, after the block's gradients.
-    islands: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # (fp32 staging, device island view, CPU gradient view or None in a lean mirror, where
+    # it starts in the mirror) of each fp32 local-accumulation parameter in this block: the
+    # optimizer reads its gradient in the island (unscaled there), not in the buffer, so
+    # the CPU gets it from there, after the block's gradients.
+    islands: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]] = field(
+        default_factory=list
+    )
 
     def start_d2h(self) -> None:
         dst, src = self.d2h
         dst.copy_(src, non_blocking=True)
-        for stage, device, _ in self.islands:
+        for stage, device, _, _ in self.islands:
             stage.copy_(device, non_blocking=True)
 
     def convert_grads(self) -> None:
         if self.convert is not None:
             dst, src = self.convert
+            if dst is None:
+                raise RuntimeError(
+                    "this host mirror is lean (no fp32 copy of the gradients): only the chunked "
+                    "offload step converts them, into its scratch"
+                )
             dst.copy_(src)
-        for stage, _, cpu in self.islands:
+        for stage, _, cpu, _ in self.islands:
             cpu.copy_(stage)
 
     def pack_params(self) -> None:
@@ -56,7 +66,8 @@ class BufferMirror:
     layout: MirrorLayout
     staging: torch.Tensor  # uint8: the one pinned allocation; gradients in, parameters out
     host_params: torch.Tensor  # the CPU optimizer's parameters (CPU dtype), laid out as layout
-    cpu_grads: torch.Tensor  # the CPU optimizer's gradients: staging itself, or converted
+    # the CPU optimizer's gradients: staging itself, or converted; None in a lean mirror
+    cpu_grads: torch.Tensor | None
     blocks: list[HostBlock]
     owned_numel: int  # elements of this rank's shard of the buffer
     grads_dtype: torch.dtype  # dtype of what moves device-to-host
@@ -64,10 +75,12 @@ class BufferMirror:
     device_params: torch.Tensor | None = None  # flat device parameters, when built here
     island_staging: torch.Tensor | None = None  # pinned fp32, for the blocks' island copies
 
-    def cpu_views(self, span: Span) -> tuple[torch.Tensor, torch.Tensor]:
-        """(parameter, gradient) host views of buffer elements ``span``."""
+    def cpu_views(self, span: Span) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(parameter, gradient) host views of buffer elements ``span`` (gradient None in a
+        lean mirror)."""
         s = self.layout.local(span)
-        return self.host_params[s.start : s.end], self.cpu_grads[s.start : s.end]
+        grads = None if self.cpu_grads is None else self.cpu_grads[s.start : s.end]
+        return self.host_params[s.start : s.end], grads
 
     def load_params(self) -> None:
         """Fill the host parameters from the device (blocking; at construction)."""
@@ -78,8 +91,11 @@ class BufferMirror:
 
     def stats(self) -> dict:
         """Sizes: blocks, pinned and host bytes, bytes each way per step, owned bytes."""
-        storage = self.cpu_grads.untyped_storage().data_ptr()
-        converted = storage != self.staging.untyped_storage().data_ptr()
+        converted = (
+            self.cpu_grads is not None
+            and self.cpu_grads.untyped_storage().data_ptr()
+            != self.staging.untyped_storage().data_ptr()
+        )
         return {
             "buffer": self.name,
             "blocks": len(self.blocks),
@@ -112,14 +128,15 @@ def add_island_copies(
             raise ValueError(f"island view of {view.numel()} elements for {span}")
         _, cpu = mirror.cpu_views(span)
         block = mirror.blocks[mirror.layout.block_of(span)]
-        block.islands.append((stage[off : off + span.numel], view, cpu))
+        block.islands.append(
+            (stage[off : off + span.numel], view, cpu, mirror.layout.local(span).start)
+        )
         off += span.numel
 
 
 def chunk_copies(mirror: BufferMirror, chunks: Sequence[tuple[int, Span]]) -> list[HostBlock]:
     """The copies of each chunk (block index, run in mirror coordinates) of ``mirror``:
     slices of its block's copies, and the pieces of the block's island copies inside it."""
-    base = mirror.cpu_grads.storage_offset()
     out = []
     for b, run in chunks:
         block, off = mirror.blocks[b], mirror.layout.offsets[b]
@@ -128,16 +145,16 @@ def chunk_copies(mirror: BufferMirror, chunks: Sequence[tuple[int, Span]]) -> li
             raise ValueError(f"chunk {run} lies outside block {b}")
 
         def cut(pair, a=a, z=z):
-            return pair[0][a:z], pair[1][a:z]
+            return tuple(None if t is None else t[a:z] for t in pair)
 
         islands = []
-        for stage, device, cpu in block.islands:
-            lo = cpu.storage_offset() - base - off
-            x, y = max(a, lo), min(z, lo + cpu.numel())
+        for stage, device, cpu, at in block.islands:
+            lo = at - off
+            x, y = max(a, lo), min(z, lo + stage.numel())
             if x < y:
-                islands.append(
-                    (stage[x - lo : y - lo], device[x - lo : y - lo], cpu[x - lo : y - lo])
-                )
+                piece = slice(x - lo, y - lo)
+                cpu_piece = None if cpu is None else cpu[piece]
+                islands.append((stage[piece], device[piece], cpu_piece, off + x))
         out.append(
             HostBlock(
                 d2h=cut(block.d2h),
@@ -170,6 +187,7 @@ def build_buffer_mirror(
     params_coords: Sequence[Span] | None,
     cpu_dtype: torch.dtype,
     pin: bool,
+    lean: bool = False,
 ) -> BufferMirror:
     """Allocate one buffer's host mirror and build its per-block copies.
 
@@ -184,6 +202,8 @@ def build_buffer_mirror(
         params_coords: as ``grads_coords``, for ``params``.
         cpu_dtype: the CPU optimizer's parameter dtype.
         pin: allocate the staging tensor in pinned memory (needs CUDA).
+        lean: no host copy of the gradients in the CPU dtype where they arrive in another
+            (only the chunked step, which converts into its scratch, can read them).
 
     Returns:
         The :class:`BufferMirror`.
@@ -192,7 +212,10 @@ def build_buffer_mirror(
     staging = torch.zeros(layout.numel * width, dtype=torch.uint8, pin_memory=pin)
     host_params = torch.zeros(layout.numel, dtype=cpu_dtype)
     in_place = grads.dtype == cpu_dtype and itemsize(cpu_dtype) == width
-    cpu_grads = staging.view(cpu_dtype) if in_place else torch.zeros(layout.numel, dtype=cpu_dtype)
+    if in_place:
+        cpu_grads = staging.view(cpu_dtype)
+    else:
+        cpu_grads = None if lean else torch.zeros(layout.numel, dtype=cpu_dtype)
     blocks = []
     for span, off in zip(layout.blocks, layout.offsets, strict=True):
         base, n = off * width, span.numel
@@ -201,7 +224,9 @@ def build_buffer_mirror(
         blocks.append(
             HostBlock(
                 d2h=(grad_stage, _device_view(grads, span, grads_coords)),
-                convert=None if in_place else (cpu_grads[off : off + n], grad_stage),
+                convert=None
+                if in_place
+                else (None if cpu_grads is None else cpu_grads[off : off + n], grad_stage),
                 pack=(param_stage, host_params[off : off + n]),
                 h2d=(_device_view(params, span, params_coords), param_stage),
             )

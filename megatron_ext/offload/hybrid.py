@@ -118,8 +118,11 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         self.host_mirrors = []
         self._host_blocks: list[HostBlock] = []
         block_of: dict[torch.Tensor, int] = {}
+        # lean: the chunked step converts gradients into its scratch, so no mirror-sized
+        # host copy of them in the CPU dtype (4 bytes per element) is kept
+        self._lean = bool(self.chunked_step) and eligible(self.cpu_optimizers) is None
         for source in self._offload_sources:
-            built = source_mirror(source, offloaded, pin=self.pin_cpu_grads)
+            built = source_mirror(source, offloaded, pin=self.pin_cpu_grads, lean=self._lean)
             if built is None:
                 continue
             mirror, mine = built
@@ -129,7 +132,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                 data, grad = mirror.cpu_views(s)
                 cpu.data = data.view(cpu.shape)
                 cpu.requires_grad = False
-                cpu.grad = grad.view(cpu.shape)
+                cpu.grad = None if grad is None else grad.view(cpu.shape)
                 block_of[cpu] = len(self._host_blocks) + layout.block_of(s)
             self.host_mirrors.append(mirror)
             self._host_blocks += mirror.blocks
@@ -216,10 +219,12 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         stream; so that chunk i's copies overlap the update of its neighbours.
         """
         if not self.chunked_step or closure is not None:
+            self._refuse_if_lean("chunked_step is off" if closure is None else "a closure")
             return super().step(closure)
         if self._chunked_for != self.chunk_numel:
             self._chunked, self._chunked_for = self._build_chunked(), self.chunk_numel
         if self._chunked is None:
+            self._refuse_if_lean(self.chunked_step_off)
             return super().step(closure)
         steppers, copies, events, order = self._chunked
         self._sync_hdo_param_groups_to_sub_optimizers()
@@ -243,6 +248,14 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         self._h2d_done.record(self._h2d_stream)
         compute.wait_event(self._h2d_done)
         self._sync_sub_optimizers_state_to_hdo()
+
+    def _refuse_if_lean(self, why: str) -> None:
+        if getattr(self, "_lean", False) and any(m.cpu_grads is None for m in self.host_mirrors):
+            raise RuntimeError(
+                f"the per-parameter offload step cannot run here ({why}): these host mirrors "
+                "were built for the chunked step, without a host copy of the gradients; keep "
+                "chunked_step on, or build with MegatronOptions(offload_step='per_parameter')"
+            )
 
     def _register_param_copy_back_gpu_hook(self):
         for k, optimizer in enumerate(self.cpu_optimizers):
@@ -382,7 +395,7 @@ def threads_warning(threads: int | None) -> str | None:
     )
 
 
-def source_mirror(source: OffloadSource, offloaded, *, pin: bool):
+def source_mirror(source: OffloadSource, offloaded, *, pin: bool, lean: bool = False):
     """The host mirror of one buffer's offloaded parameters, or None when it has none.
 
     ``offloaded``: the inner parameters the CPU updates (``gpu_params_map_cpu_copy``).
@@ -404,6 +417,7 @@ def source_mirror(source: OffloadSource, offloaded, *, pin: bool):
         params_coords=params_coords,
         cpu_dtype=_one_dtype(offloaded[p] for p, _ in mine),
         pin=pin,
+        lean=lean,
     )
     mirror.device_params = device_params
     known = set(source.spans.values())

@@ -115,7 +115,7 @@ class ChunkedAdamW:
     Args:
         host_params: the mirror's flat CPU parameters.
         cpu_grads: the mirror's flat CPU gradients (same length); read directly only where
-            the gradients arrive in the CPU dtype (no conversion).
+            the gradients arrive in the CPU dtype (no conversion); None for a lean mirror.
         entries: every CPU parameter of the mirror (views of ``host_params``).
         chunks: runs of mirror coordinates covering the parameters, in update order (what
             one device copy each way moves).
@@ -125,12 +125,14 @@ class ChunkedAdamW:
     def __init__(
         self,
         host_params: torch.Tensor,
-        cpu_grads: torch.Tensor,
+        cpu_grads: torch.Tensor | None,
         entries: Sequence[Entry],
         chunks: Sequence[Span],
         compute_numel: int = DEFAULT_COMPUTE_NUMEL,
     ):
-        if host_params.shape != cpu_grads.shape or host_params.dtype != cpu_grads.dtype:
+        if cpu_grads is not None and (
+            host_params.shape != cpu_grads.shape or host_params.dtype != cpu_grads.dtype
+        ):
             raise ValueError("host parameters and gradients must be flat tensors alike")
         self.host_params, self.cpu_grads = host_params, cpu_grads
         self.entries = tuple(entries)
@@ -234,10 +236,10 @@ class ChunkedAdamW:
         convert = None if copies is None else copies.convert
         islands = []
         if copies is not None:
-            base = self.cpu_grads.storage_offset()
-            for stage, _, cpu in copies.islands:
-                at = cpu.storage_offset() - base
-                islands.append((Span(at, at + cpu.numel()), stage, cpu))
+            for stage, _, cpu, at in copies.islands:
+                islands.append((Span(at, at + stage.numel()), stage, cpu))
+        if convert is None and self.cpu_grads is None:
+            raise RuntimeError("a lean mirror's chunk needs its copies (it converts from them)")
         for sub, inside in self.subs[chunk]:
             if convert is not None:
                 grads = self.scratch[: sub.numel]
