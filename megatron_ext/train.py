@@ -68,6 +68,8 @@ class TrainOptions:
     per_dtype_grad_buffers: bool = False
     keep_in_fp32_params: tuple[str, ...] = ()
     log_per_layer_grad_norm: bool = False
+    offload_step: str = "per_parameter"
+    offload_threads: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainOptions:
@@ -75,7 +77,19 @@ class TrainOptions:
             per_dtype_grad_buffers=bool(getattr(args, "per_dtype_grad_buffers", False)),
             keep_in_fp32_params=tuple(getattr(args, "keep_in_fp32_params", None) or ()),
             log_per_layer_grad_norm=bool(getattr(args, "log_per_layer_grad_norm", False)),
+            offload_step=getattr(args, "offload_step", None) or "per_parameter",
+            offload_threads=getattr(args, "offload_threads", None),
         )
+
+    @property
+    def offload_flags(self) -> list[str]:
+        """Our offload flags that were given (they need --per-dtype-grad-buffers)."""
+        out = []
+        if self.offload_step != "per_parameter":
+            out.append(f"--offload-step {self.offload_step}")
+        if self.offload_threads is not None:
+            out.append(f"--offload-threads {self.offload_threads}")
+        return out
 
     @property
     def on(self) -> bool:
@@ -83,7 +97,14 @@ class TrainOptions:
             self.per_dtype_grad_buffers
             or bool(self.keep_in_fp32_params)
             or self.log_per_layer_grad_norm
+            or bool(self.offload_flags)
         )
+
+    def megatron_options(self):
+        """The :class:`megatron_ext.MegatronOptions` our optimizer is built with."""
+        from .options import MegatronOptions
+
+        return MegatronOptions(offload_step=self.offload_step, offload_threads=self.offload_threads)
 
 
 def split_patterns(text: str) -> list[str]:
@@ -115,6 +136,17 @@ def split_patterns(text: str) -> list[str]:
         except re.error as e:
             raise argparse.ArgumentTypeError(f"{p!r} is not a regular expression: {e}") from None
     return patterns
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int above 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -173,6 +205,23 @@ FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
         dict(
             action="store_true",
             help="log each layer's grad norm every --log-interval; needs the flag above",
+        ),
+    ),
+    (
+        ("--offload-step",),
+        dict(
+            choices=("per_parameter", "chunked"),
+            default="per_parameter",
+            help="with --optimizer-cpu-offload: CPU update per parameter, or chunked (opt-in)",
+        ),
+    ),
+    (
+        ("--offload-threads",),
+        dict(
+            type=positive_int,
+            default=None,
+            metavar="N",
+            help="torch threads for the offloaded CPU optimizer step (default: torch's)",
         ),
     ),
 )
@@ -266,8 +315,7 @@ def enable(args: argparse.Namespace) -> TrainingPatches:
     patches = TrainingPatches()
     if not options.on:
         return patches
-    if options.log_per_layer_grad_norm and not options.per_dtype_grad_buffers:
-        raise UnsupportedTrainingOptionError(NEEDS_BUFFERS)
+    _check_needs_buffers(options)
     _check_training_loop()
     if options.per_dtype_grad_buffers:
         check_supported(args)
@@ -400,10 +448,21 @@ def refuse_unsupported(argv: list[str]) -> None:
     except argparse.ArgumentError:
         return
     options = TrainOptions.from_args(args)
-    if options.log_per_layer_grad_norm and not options.per_dtype_grad_buffers:
-        raise UnsupportedTrainingOptionError(NEEDS_BUFFERS)
+    _check_needs_buffers(options)
     if options.per_dtype_grad_buffers:
         check_supported(args)
+
+
+def _check_needs_buffers(options: TrainOptions) -> None:
+    if options.per_dtype_grad_buffers:
+        return
+    if options.log_per_layer_grad_norm:
+        raise UnsupportedTrainingOptionError(NEEDS_BUFFERS)
+    if options.offload_flags:
+        raise UnsupportedTrainingOptionError(
+            f"{' '.join(options.offload_flags)} needs --per-dtype-grad-buffers (they set how "
+            "megatron_ext's host mirrors step); add it, or drop them"
+        )
 
 
 # Megatron-LM's on/off flags that check_supported reads
@@ -507,7 +566,9 @@ def _checked_optimizer(options: TrainOptions, built: _BuildRecord):
                 "wrapped in megatron_ext.DistributedDataParallel (megatron_ext.train patches "
                 "megatron.training's model builders, not the model_provider path)"
             )
-        optimizer = get_megatron_optimizer(config, model_chunks, *args, **kwargs)
+        optimizer = get_megatron_optimizer(
+            config, model_chunks, *args, options=options.megatron_options(), **kwargs
+        )
         if options.log_per_layer_grad_norm and not hasattr(
             optimizer, "request_per_param_grad_norms"
         ):
@@ -584,6 +645,7 @@ def _describe(options: TrainOptions) -> str:
         parts.append(f"--keep-in-fp32-params {','.join(options.keep_in_fp32_params)}")
     if options.log_per_layer_grad_norm:
         parts.append("--log-per-layer-grad-norm")
+    parts += options.offload_flags
     return " ".join(parts)
 
 

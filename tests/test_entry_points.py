@@ -17,7 +17,13 @@ from buffers import demo
 from megatron_ext import train
 
 ROOT = Path(__file__).resolve().parents[1]
-OUR_FLAGS = ("--per-dtype-grad-buffers", "--keep-in-fp32-params", "--log-per-layer-grad-norm")
+OUR_FLAGS = (
+    "--per-dtype-grad-buffers",
+    "--keep-in-fp32-params",
+    "--log-per-layer-grad-norm",
+    "--offload-step",
+    "--offload-threads",
+)
 
 
 def test_train_help_lists_our_flags_first_one_line_each_then_megatrons(capsys):
@@ -72,6 +78,8 @@ class _Ran(Exception):
         ),
         (["--per-dtype-grad-buffers", "--optimizer=muon"], "--optimizer muon"),
         (["--log-per-layer-grad-norm"], "needs --per-dtype-grad-buffers"),
+        (["--offload-step", "chunked"], "--offload-step chunked needs --per-dtype-grad-buffers"),
+        (["--offload-threads=8"], "--offload-threads 8 needs --per-dtype-grad-buffers"),
     ],
 )
 def test_unsupported_flags_are_refused_in_one_line_before_the_script_runs(

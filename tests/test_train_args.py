@@ -116,6 +116,37 @@ def test_the_script_is_found_under_megatron_lm_path(tmp_path, monkeypatch):
         train.find_script("pretrain_gpt.py")
 
 
+def test_offload_flags_parse_and_need_the_buffers(capsys):
+    default = train.TrainOptions.from_args(parser().parse_args([]))
+    assert (default.offload_step, default.offload_threads, default.on) == (
+        "per_parameter",
+        None,
+        False,
+    )
+    assert default.megatron_options() == train_options(offload_step="per_parameter")
+    args = parser().parse_args(["--offload-step", "chunked", "--offload-threads", "6"])
+    options = train.TrainOptions.from_args(args)
+    assert options.on and options.offload_flags == ["--offload-step chunked", "--offload-threads 6"]
+    got = options.megatron_options()
+    assert (got.offload_step, got.offload_threads, got.host_mirrors) == ("chunked", 6, True)
+    with pytest.raises(train.UnsupportedTrainingOptionError, match="needs --per-dtype-grad"):
+        train.enable(args)
+    for bad, why in (
+        (["--offload-threads", "0"], "0 is not positive"),
+        (["--offload-threads", "x"], "'x' is not an integer"),
+        (["--offload-step", "fast"], "invalid choice: 'fast'"),
+    ):
+        with pytest.raises(SystemExit):
+            parser().parse_args(bad)
+        assert why in capsys.readouterr().err
+
+
+def train_options(**kw):
+    from megatron_ext import MegatronOptions
+
+    return MegatronOptions(**kw)
+
+
 def test_per_layer_flag_parses_and_needs_the_buffers():
     args = parser().parse_args(["--log-per-layer-grad-norm"])
     options = train.TrainOptions.from_args(args)

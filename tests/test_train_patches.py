@@ -244,6 +244,19 @@ def test_per_layer_logging_refuses_an_optimizer_without_per_parameter_norms(monk
     assert build(None, [chunk]) is made
 
 
+def test_the_offload_flags_reach_the_optimizer(monkeypatch):
+    chunk = torch.nn.Linear(2, 2)
+    chunk.per_dtype_grad_buffers = True
+    options = train.TrainOptions(True, (), offload_step="chunked", offload_threads=3)
+    build = train._checked_optimizer(options, train._BuildRecord())
+    seen = {}
+    monkeypatch.setattr(train, "get_megatron_optimizer", lambda *a, **k: seen.update(k) or "opt")
+    assert build(None, [chunk], "positional", extra=1) == "opt"
+    assert seen["extra"] == 1
+    assert (seen["options"].offload_step, seen["options"].offload_threads) == ("chunked", 3)
+    assert "--offload-step chunked --offload-threads 3" in train._describe(options)
+
+
 @pytest.mark.parametrize("makefile", [False, True])
 def test_the_helpers_build_is_skipped_only_without_a_makefile(tmp_path, makefile, capsys):
     # A wheel ships the compiled helpers; a source tree (Megatron-LM main) does not.
