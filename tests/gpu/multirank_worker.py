@@ -96,6 +96,13 @@ CONFIGS = {
     "dp2_fp32": dict(world=2, distopt=False, fp32=True),
     "dp4": dict(world=4, buckets=True),
     "dp4_pa_offload0.5": dict(world=4, pa=True, offload=0.5),
+    # the chunked offload step (MegatronOptions(offload_step="chunked")): also compared
+    # bit for bit with ours stepping per parameter
+    "dp2_pa_offload1.0_chunked": dict(world=2, pa=True, offload=1.0, offload_step="chunked"),
+    "dp2_pa_offload0.5_chunked": dict(
+        world=2, pa=True, offload=0.5, buckets=True, offload_step="chunked"
+    ),
+    "dp2_offload1.0_chunked": dict(world=2, offload=1.0, offload_step="chunked"),
     "dp4_offload1.0": dict(world=4, offload=1.0),
     "dp2_tp2_sp": dict(world=4, tp=2, sp=True),
     "ep2_etp2": dict(world=4, tp=2, ep=2, etp=2),
@@ -301,6 +308,9 @@ def build(cfg, option, ranks, offload_override=None):
             param_name_patterns_for_fp32_local_accumulation=cfg.get("patterns", ()),
         ),
         optimizer=opts,
+        options=megatron_ext.MegatronOptions(offload_step=cfg.get("offload_step", "per_parameter"))
+        if option
+        else None,
     )
     model, opt = stack.model, stack.optimizer
     return model, opt
@@ -464,6 +474,18 @@ def check_config(name, cfg, log):
         ours = run_steps(cfg, model, opt, ranks, option=True, inf_at=inf_at)
         ours_params = params_of(model)
         facts["ours"] = [{k: v for k, v in s.items() if k != "calls"} for s in ours]
+        if cfg.get("offload_step") == "chunked":
+            hdos = [c.optimizer for c in opt.chained_optimizers]
+            if not all(getattr(h, "_chunked", None) is not None for h in hdos):
+                failures.append("the chunked offload step did not run")
+            per_cfg = {**cfg, "offload_step": "per_parameter"}
+            torch.manual_seed(0)
+            per_model, per_opt = build(per_cfg, True, ranks)
+            run_steps(per_cfg, per_model, per_opt, ranks, option=True, inf_at=inf_at)
+            for k, v in params_of(per_model).items():
+                if not torch.equal(v, ours_params[k]):
+                    failures.append(f"chunked vs per-parameter: parameter {k} differs")
+            facts["chunked_vs_per_parameter"] = "compared bit for bit"
         for i, s in enumerate(ours):
             if s["ref"] is None:
                 continue
