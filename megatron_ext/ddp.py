@@ -89,22 +89,48 @@ class DistributedDataParallel(_MCoreDDP):
         return island
 
     def _check_layouts_agree(self) -> None:
+        """One small all-gather per data-parallel group (dense, then expert), the same on
+        every rank whatever buffers it built, of a digest of all its buffers on that group;
+        on a difference, every rank raises :class:`LayoutMismatchError` naming it.
+
+        Per group, not per buffer: a rank with an extra buffer (other fp32 patterns, say)
+        would otherwise issue one collective more than its peers and hang them.
+        """
         if not torch.distributed.is_initialized():
             return
+        by_group: dict[int, tuple[object, list[BufferLayout]]] = {}
+        for name in ("intra_dp_cp_group", "intra_expt_dp_group"):
+            group = getattr(self, name, None)
+            if group is not None:
+                by_group.setdefault(id(group), (group, []))
+        fixed = list(by_group)
+        device = None
         for layout in self.layout.buffers:
             buf = self.grad_buffer(layout.key)
+            device = device or buf.grad_data.device
             group = buf.data_parallel_group
+            if id(group) not in by_group and fixed:
+                raise RuntimeError(
+                    f"buffer {layout.key} reduces over a process group that is neither "
+                    "intra_dp_cp_group nor intra_expt_dp_group of this DDP"
+                )
+            by_group.setdefault(id(group), (group, []))[1].append(layout)
+        if device is None:  # no buffer here: where the group's collectives run
+            cuda = torch.cuda.is_available()
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
+        for group, layouts in by_group.values():
             if torch.distributed.get_world_size(group) == 1:
                 continue
-            digest = _layout_digest(layout)
-            mine = torch.tensor([digest], dtype=torch.int64, device=buf.grad_data.device)
+            rows = [layout.rows() for layout in layouts]
+            digest = _rows_digest(rows)
+            mine = torch.tensor([digest], dtype=torch.int64, device=device)
             gathered = [torch.empty_like(mine) for _ in range(group.size())]
             torch.distributed.all_gather(gathered, mine, group=group)
             if all(int(g) == digest for g in gathered):
                 continue
             everyone = [None] * group.size()
-            torch.distributed.all_gather_object(everyone, layout.rows(), group=group)
-            raise LayoutMismatchError(_first_difference(everyone, group.rank()))
+            torch.distributed.all_gather_object(everyone, rows, group=group)
+            raise LayoutMismatchError(_first_buffer_difference(everyone, group.rank()))
 
 
 def counted_records(buf, records, tp_group=None, expert_tp_group=None) -> tuple[GradRecord, ...]:
@@ -176,9 +202,29 @@ def _is_gtp_duplicate(p: torch.Tensor) -> bool:
     return rule is not None and not rule(p)
 
 
-def _layout_digest(layout: BufferLayout) -> int:
-    h = hashlib.blake2b(repr(layout.rows()).encode(), digest_size=8)
+def _rows_digest(rows) -> int:
+    h = hashlib.blake2b(repr(rows).encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def _first_buffer_difference(everyone: list[list[list[tuple]]], my_rank: int) -> str:
+    """``everyone``: per rank, the rows of each of its buffers on one group."""
+    counts = [len(buffers) for buffers in everyone]
+    if len(set(counts)) > 1:
+        odd = next(r for r, c in enumerate(counts) if c != counts[0])
+        headers = [[rows[0] for rows in buffers] for buffers in everyone]
+        return (
+            "gradient-buffer layouts differ across data-parallel ranks: rank 0 built "
+            f"{counts[0]} buffers {headers[0]}, rank {odd} built {counts[odd]} {headers[odd]} "
+            f"(this is rank {my_rank}). Every rank of a data-parallel group must build the "
+            "same model with the same dtypes, fp32 parameters (keep_in_fp32 marks, "
+            "--keep-in-fp32-params) and DDP config."
+        )
+    for i in range(counts[0]):
+        per_rank = [buffers[i] for buffers in everyone]
+        if any(rows != per_rank[0] for rows in per_rank):
+            return _first_difference(per_rank, my_rank)
+    return "gradient-buffer layouts differ across data-parallel ranks (digest mismatch)"
 
 
 def _first_difference(everyone: list[list[tuple]], my_rank: int) -> str:

@@ -185,6 +185,7 @@ def mcore_constructors(monkeypatch):
         torch.nn.Module.__init__(self)
         self.module = module
         self.buffers, self.expert_parallel_buffers = [], []
+        self.intra_dp_cp_group = self.intra_expt_dp_group = None  # no process group here
         calls.ddp.append((config, ddp_config, module, args, kwargs))
 
     def factory(config, model_chunks, *args, **kwargs):
