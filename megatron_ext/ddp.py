@@ -103,17 +103,13 @@ class DistributedDataParallel(_MCoreDDP):
             group = getattr(self, name, None)
             if group is not None:
                 by_group.setdefault(id(group), (group, []))
-        fixed = list(by_group)
         device = None
         for layout in self.layout.buffers:
             buf = self.grad_buffer(layout.key)
             device = device or buf.grad_data.device
+            # megatron-core builds each buffer over one of those two groups; another group
+            # (not seen so far) gets a check of its own, after them
             group = buf.data_parallel_group
-            if id(group) not in by_group and fixed:
-                raise RuntimeError(
-                    f"buffer {layout.key} reduces over a process group that is neither "
-                    "intra_dp_cp_group nor intra_expt_dp_group of this DDP"
-                )
             by_group.setdefault(id(group), (group, []))[1].append(layout)
         if device is None:  # no buffer here: where the group's collectives run
             cuda = torch.cuda.is_available()
