@@ -13,30 +13,37 @@ from megatron_ext.layout import BufferKey, BufferLayout, ChunkLayout
 from megatron_ext.spans import GradRecord
 
 
-def fake_ddp(records, group, *, fp32_records=None, expert_group=None):
-    """A DDP as _check_layouts_agree reads it: a bf16 buffer, optionally an fp32 one, and
-    megatron-core's two data-parallel groups (dense, expert)."""
+def fake_ddp(
+    records, group, *, fp32_records=None, expert_group=None, expert_records=None, buckets=None
+):
+    """A DDP as _check_layouts_agree reads it: a bf16 buffer, optionally an fp32 one and an
+    expert one (over ``expert_group``), and megatron-core's two data-parallel groups."""
+    expert_group = expert_group if expert_group is not None else group
     bufs, layouts = {}, []
-    for dtype, rows in ((torch.bfloat16, records), (torch.float32, fp32_records)):
+    for dtype, rows, expert in (
+        (torch.bfloat16, records, False),
+        (torch.float32, fp32_records, False),
+        (torch.bfloat16, expert_records, True),
+    ):
         if rows is None:
             continue
-        key = BufferKey(dtype, dtype, False)
+        key = BufferKey(dtype, dtype, expert)
+        on = expert_group if expert else group
         bufs[key] = types.SimpleNamespace(
             param_dtype=dtype,
             grad_dtype=dtype,
             numel=256,
             bucket_indices=[(0, 256)],
-            data_parallel_group=group,
+            data_parallel_group=on,
             grad_data=torch.zeros(256, dtype=dtype),
         )
-        layouts.append(
-            BufferLayout(key, 256, (Span(0, 256),), tuple(rows), group.size(), group.rank())
-        )
+        spans = tuple(buckets or (Span(0, 256),))
+        layouts.append(BufferLayout(key, 256, spans, tuple(rows), on.size(), on.rank()))
     return types.SimpleNamespace(
         layout=ChunkLayout(tuple(layouts)),
         grad_buffer=bufs.__getitem__,
         intra_dp_cp_group=group,
-        intra_expt_dp_group=expert_group if expert_group is not None else group,
+        intra_expt_dp_group=expert_group,
     )
 
 
@@ -66,9 +73,13 @@ def test_every_rank_reports_the_first_differing_parameter(tmp_path):
         assert "parameter 'layers.0.b'" in m and "rank 2 has ('layers.0.bias_renamed'" in m
 
 
-def extra_buffer_worker(rank, world, init_file, out_dir):
-    """Rank 1 keeps a parameter in fp32 (an extra fp32 buffer): with one collective per
-    buffer, rank 0 would wait for a second all-gather rank 1 never makes."""
+CASES = ("agree", "extra_fp32_buffer", "extra_expert_buffer", "buckets")
+
+
+def differing_worker(rank, world, init_file, out_dir):
+    """Rank 1 differs from rank 0 in one way per case. An extra buffer (fp32 parameters
+    kept on one rank only; an expert buffer on one rank only): with one collective per
+    buffer, rank 0 would wait for an all-gather rank 1 never makes."""
     import datetime
 
     dist.init_process_group(
@@ -77,29 +88,44 @@ def extra_buffer_worker(rank, world, init_file, out_dir):
     )  # fmt: skip
     expert = dist.new_group(list(range(world)))
     rows = [GradRecord("layers.0.w", 0, 64, 0)]
-    extra = [GradRecord("router.weight", 0, 32, 0)] if rank == 1 else None
-    try:
-        ddp = fake_ddp(rows, dist.group.WORLD, fp32_records=extra, expert_group=expert)
-        DistributedDataParallel._check_layouts_agree(ddp)
-        msg = "agree"
-    except LayoutMismatchError as e:
-        msg = str(e)
-    except Exception as e:  # noqa: BLE001 - a timeout (the hang) is the failure reported
-        msg = f"{type(e).__name__}: {e}"
-    with open(os.path.join(out_dir, f"extra-{rank}.txt"), "w") as f:
-        f.write(msg)
-    dist.barrier()  # the same collectives on every rank: nothing left pending
+    odd = rank == 1
+    for case in CASES:
+        kw = dict(expert_group=expert)
+        if odd and case == "extra_fp32_buffer":
+            kw["fp32_records"] = [GradRecord("router.weight", 0, 32, 0)]
+        if odd and case == "extra_expert_buffer":
+            kw["expert_records"] = [GradRecord("experts.0.w", 0, 64, 0)]
+        if odd and case == "buckets":
+            kw["buckets"] = (Span(0, 128), Span(128, 256))
+        try:
+            DistributedDataParallel._check_layouts_agree(fake_ddp(rows, dist.group.WORLD, **kw))
+            msg = "agree"
+        except LayoutMismatchError as e:
+            msg = str(e)
+        except Exception as e:  # noqa: BLE001 - a timeout (the hang) is the failure reported
+            msg = f"{type(e).__name__}: {e}"
+        with open(os.path.join(out_dir, f"{case}-{rank}.txt"), "w") as f:
+            f.write(msg)
+        dist.barrier()  # the same collectives on every rank: nothing left pending
     dist.destroy_process_group()
 
 
-def test_a_rank_with_an_extra_buffer_gets_a_named_error_not_a_hang(tmp_path):
+def test_ranks_that_differ_get_a_named_error_not_a_hang(tmp_path):
     world = 2
-    mp.spawn(extra_buffer_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    mp.spawn(differing_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    got = {(c, r): (tmp_path / f"{c}-{r}.txt").read_text() for c in CASES for r in range(world)}
     for r in range(world):
-        m = (tmp_path / f"extra-{r}.txt").read_text()
-        assert m.startswith("gradient-buffer layouts differ"), m
+        assert got["agree", r] == "agree"
+        for case in CASES[1:]:
+            m = got[case, r]
+            assert m.startswith("gradient-buffer layouts differ"), (case, m)
+            assert f"this is rank {r}" in m, (case, m)
+        m = got["extra_fp32_buffer", r]
         assert "rank 0 built 1 buffers" in m and "rank 1 built 2" in m and "float32" in m, m
-        assert f"this is rank {r}" in m and "keep_in_fp32" in m
+        assert "keep_in_fp32" in m
+        m = got["extra_expert_buffer", r]  # on the expert group: none on rank 0
+        assert "rank 0 built 0 buffers" in m and "rank 1 built 1" in m, m
+        assert "buffer header" in got["buckets", r] and "rank 1 has" in got["buckets", r]
 
 
 def test_first_difference_names_header_and_missing_rows():
