@@ -883,13 +883,18 @@ def _train(cls, pa, fraction, steps, chunk=None, overlap=True, reload_at=None, c
     for step in range(steps):
         if reload_at == step:
             hdo.load_state_dict(hdo.state_dict())
-        bf16.grad_data.copy_(torch.randn(bf16.grad_data.numel(), generator=gen))
-        fp32.grad_data.copy_(torch.randn(fp32.grad_data.numel(), generator=gen))
-        bind()
-        for i, g in enumerate(hdo.param_groups):
-            g["lr"] = 3e-3 * (step + 2) * (i + 1)
-        hdo.step()
+        _one_step(bf16, fp32, bind, hdo, step, gen)
     return bf16, fp32, hdo, shard16
+
+
+def _one_step(bf16, fp32, bind, hdo, step, gen):
+    """Fresh gradients, an lr schedule per group, one step."""
+    bf16.grad_data.copy_(torch.randn(bf16.grad_data.numel(), generator=gen))
+    fp32.grad_data.copy_(torch.randn(fp32.grad_data.numel(), generator=gen))
+    bind()
+    for i, g in enumerate(hdo.param_groups):
+        g["lr"] = 3e-3 * (step + 2) * (i + 1)
+    hdo.step()
 
 
 def test_chunked_step_reports_its_host_bytes_and_allocates_once(cpu_streams):
@@ -956,12 +961,7 @@ def _train_switching(first, second, pa, fraction, steps, switch_at):
                     dst.copy_(src)
                 hdo.load_state_dict(run[2].state_dict())
             run = (bf16, fp32, hdo, shard16)
-        bf16.grad_data.copy_(torch.randn(bf16.grad_data.numel(), generator=gen))
-        fp32.grad_data.copy_(torch.randn(fp32.grad_data.numel(), generator=gen))
-        bind()
-        for i, g in enumerate(hdo.param_groups):
-            g["lr"] = 3e-3 * (step + 2) * (i + 1)
-        hdo.step()
+        _one_step(bf16, fp32, bind, hdo, step, gen)
     return run
 
 
