@@ -2,7 +2,8 @@
 # On the GPU test machine: install the carried megatron-core wheel, then run the named steps,
 # each under its own time limit, logging to $OUT/<step>.log. Usage: gpu_session.sh STEP...
 # Steps: tests, multirank, pytest, example, te, norm_clip, memory, train_step, offload, clip_step,
-# offload_step (fractions 1.0 and 0.5; OFFLOAD_STEP_ARGS replaces its --threads 1 4 8 16),
+# offload_step (fractions 1.0 and 0.5; OFFLOAD_STEP_ARGS replaces its --threads 4 8 16 --warmup 1
+# --reps 20 --rounds 2: about 2 minutes each at the default GPT size),
 # megatron_lm (tests/gpu/test_megatron_lm_gpu.py, -k "$MEGATRON_LM_K"; scripts from
 # .megatron-lm/ unless MEGATRON_LM_PATH is set), pytest (the files in PYTEST_ARGS, with
 # -k "$PYTEST_K"), te (transformer-engine into /tmp/site from /root/te/p0..p4 and the carried
@@ -44,7 +45,7 @@ for s in "$@"; do
       extra=(); [ "$s" = norm_clip ] && read -ra extra <<< "${NORM_CLIP_ARGS:---scaling-counts 80,1000,10000}"
       step "$s" ${BENCH_LIMIT:-300} python3 "benchmarks/$s.py" --device cuda --out "$OUT/bench" "${extra[@]}" ;;
     offload_step)  # fractions 1.0 and 0.5, each at several CPU thread counts
-      read -ra extra <<< "${OFFLOAD_STEP_ARGS:---threads 1 4 8 16}"
+      read -ra extra <<< "${OFFLOAD_STEP_ARGS:---threads 4 8 16 --warmup 1 --reps 20 --rounds 2}"
       for f in 1.0 0.5; do
         step "offload_step_$f" ${BENCH_LIMIT:-300} python3 benchmarks/offload_step.py --device cuda \
           --out "$OUT/bench/offload_step_$f" --fraction "$f" "${extra[@]}"
