@@ -185,7 +185,7 @@ class Setup:
     def per_parameter(self, timer) -> None:
         cuda = self.device.type == "cuda"
         with timer("d2h"):
-            for block, event in zip(self.mirror.blocks, self._events("block"), strict=True):
+            for block, event in zip(self.mirror.blocks, self._events(), strict=True):
                 if cuda:
                     self.d2h_stream.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(self.d2h_stream):
@@ -196,7 +196,7 @@ class Setup:
         if self.gpu_opt is not None:
             with timer("gpu_update"):
                 self.gpu_update()
-        for block, event in zip(self.mirror.blocks, self._events("block"), strict=True):
+        for block, event in zip(self.mirror.blocks, self._events(), strict=True):
             with timer("wait"):
                 if cuda:
                     event.synchronize()
@@ -241,7 +241,7 @@ class Setup:
                 self._h2d(chunk)
         self._finish()
 
-    def _events(self, kind):
+    def _events(self):
         if self.device.type == "cuda":
             return self.block_events
         return [None] * len(self.mirror.blocks)

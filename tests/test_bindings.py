@@ -52,6 +52,15 @@ def assert_like_torch(fgb, net, max_norm=1.0, norm_type=2.0):
         torch.testing.assert_close(p.grad.double(), t.grad, rtol=tol, atol=1e-30)
 
 
+def assert_a_new_one_works(net, seed):
+    """What every error tells the user to do: a new FlatGradBuffers over the model as it
+    is now, which then agrees with torch."""
+    rebuilt = FlatGradBuffers(net.named_parameters())
+    rebuilt.zero_()
+    backward(net, seed)
+    assert_like_torch(rebuilt, net)
+
+
 def every_call(fgb):
     """Each call that must refuse, as a zero-argument function."""
     return {
@@ -89,10 +98,7 @@ def test_frozen_at_build_then_unfrozen_raises_at_the_first_call_after_its_gradie
     assert net[0].bias.grad is not None  # torch would count it
     assert_every_call_raises(fgb, r"'0\.bias' was frozen .*build a new FlatGradBuffers")
 
-    rebuilt = FlatGradBuffers(net.named_parameters())
-    rebuilt.zero_()
-    backward(net, 3)
-    assert_like_torch(rebuilt, net)
+    assert_a_new_one_works(net, seed=3)
 
 
 def test_clipped_step_refuses_an_unfrozen_parameter_before_stepping_it():
@@ -241,10 +247,7 @@ def test_load_state_dict_with_assign_raises():
     gc.collect()
     backward(net, 1)
     assert_every_call_raises(fgb, r"was freed .*assign=True")
-    rebuilt = FlatGradBuffers(net.named_parameters())
-    rebuilt.zero_()
-    backward(net, 2)
-    assert_like_torch(rebuilt, net)
+    assert_a_new_one_works(net, seed=2)
 
 
 def test_load_state_dict_in_place_keeps_working():

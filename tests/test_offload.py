@@ -943,6 +943,19 @@ def test_chunked_mirrors_keep_no_host_copy_of_the_gradients(cpu_streams):
         lean.step()
 
 
+def test_the_chunked_step_is_rebuilt_when_its_sizes_change(cpu_streams):
+    bf16, fp32, hdo, _ = _train(_MirrorChunked, True, 1.0, 1, chunk=10**9, compute=10**9)
+    first = hdo._chunked
+    assert sum(len(c) for s in first[0] for c in s.subs) == len(first[1])  # one sub each
+    hdo.compute_numel = 64
+    hdo.step()
+    assert hdo._chunked is not first
+    assert sum(len(c) for s in hdo._chunked[0] for c in s.subs) > len(hdo._chunked[1])
+    hdo.chunk_numel = 200
+    hdo.step()
+    assert len(hdo._chunked[1]) > len(first[1])
+
+
 def _train_switching(first, second, pa, fraction, steps, switch_at):
     """_train's run, checkpointed after ``switch_at`` steps of ``first`` and resumed in a
     fresh ``second`` optimizer over fresh buffers (model parameters copied, optimizer state
@@ -1041,7 +1054,8 @@ def test_chunked_step_falls_back_where_the_cpu_adamw_is_not_fused(cpu_streams):
     ours = _train(NotFused, True, 1.0, 2, chunk=7)
     assert ours[2]._chunked is None
     assert "not fused" in ours[2].chunked_step_off
-    assert not ours[2]._lean  # built with the host gradients the fallback reads
+    # built with the host gradients the fallback reads
+    assert all(m.cpu_grads is not None for m in ours[2].host_mirrors)
     assert all(s.get("exp_avg") is not None for s in ours[2].state.values())
 
 
@@ -1112,6 +1126,12 @@ def test_chunked_adamw_refuses_what_is_not_the_mirror():
         ChunkedAdamW(host, grads, [Entry(p, S(10, 30), opt, 0)], [S(0, 20)])
     with pytest.raises(ValueError, match="cover every parameter exactly once"):
         ChunkedAdamW(host, grads, [Entry(p, S(10, 30), opt, 0)], [S(0, 25), S(20, 40)])
+    other = host[25:35]
+    with pytest.raises(ValueError, match="overlap in the mirror"):
+        ChunkedAdamW(
+            host, grads,
+            [Entry(p, S(10, 30), opt, 0), Entry(other, S(25, 35), opt, 0)], [S(0, 100)],
+        )  # fmt: skip
     with pytest.raises(ValueError, match="flat tensors alike"):
         ChunkedAdamW(host, grads.double(), [], [])
     assert chunk_spans([S(0, 10), S(10, 13)], 4) == (

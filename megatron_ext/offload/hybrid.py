@@ -116,13 +116,14 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     def _build_host_mirrors(self) -> None:
         offloaded = self.gpu_params_map_cpu_copy
         self.host_mirrors = []
+        self._mirror_params: list[list[tuple[torch.Tensor, Span]]] = []  # (CPU param, local)
         self._host_blocks: list[HostBlock] = []
         block_of: dict[torch.Tensor, int] = {}
         # lean: the chunked step converts gradients into its scratch, so no mirror-sized
         # host copy of them in the CPU dtype (4 bytes per element) is kept
-        self._lean = bool(self.chunked_step) and eligible(self.cpu_optimizers) is None
+        lean = bool(self.chunked_step) and eligible(self.cpu_optimizers) is None
         for source in self._offload_sources:
-            built = source_mirror(source, offloaded, pin=self.pin_cpu_grads, lean=self._lean)
+            built = source_mirror(source, offloaded, pin=self.pin_cpu_grads, lean=lean)
             if built is None:
                 continue
             mirror, mine = built
@@ -135,6 +136,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                 cpu.grad = None if grad is None else grad.view(cpu.shape)
                 block_of[cpu] = len(self._host_blocks) + layout.block_of(s)
             self.host_mirrors.append(mirror)
+            self._mirror_params.append([(offloaded[p], layout.local(s)) for p, s in mine])
             self._host_blocks += mirror.blocks
         missing = [p for p, cpu in offloaded.items() if cpu not in block_of]
         if missing:
@@ -169,27 +171,21 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         self.chunked_step_off = eligible(self.cpu_optimizers)
         if self.chunked_step_off is not None:
             return None
-        where = {}
-        for opt in self.cpu_optimizers:
-            for gi, g in enumerate(opt.param_groups):
-                for p in g["params"]:
-                    where[p] = (opt, gi)
+        # every CPU parameter is one mirror's (_build_host_mirrors checked that)
+        where = {
+            p: (opt, gi)
+            for opt in self.cpu_optimizers
+            for gi, g in enumerate(opt.param_groups)
+            for p in g["params"]
+        }
         steppers, copies, order = [], [], []
-        for m in self.host_mirrors:
-            base = m.host_params.storage_offset()
-            entries = []
-            for cpu, (opt, gi) in where.items():
-                if cpu.untyped_storage().data_ptr() != m.host_params.untyped_storage().data_ptr():
-                    continue
-                start = cpu.storage_offset() - base
-                entries.append(Entry(cpu, Span(start, start + cpu.numel()), opt, gi))
-            entries.sort(key=lambda e: e.local.start)
+        for k, (m, params) in enumerate(zip(self.host_mirrors, self._mirror_params, strict=True)):
+            entries = [Entry(cpu, local, *where[cpu]) for cpu, local in params]
             runs = chunk_spans(
                 [m.layout.local(b) for b in m.layout.blocks],
                 max(1, int(self.chunk_numel)),
                 [e.local for e in entries],
             )
-            k = len(steppers)
             steppers.append(
                 ChunkedAdamW(
                     m.host_params, m.cpu_grads, entries, [r for _, r in runs], self.compute_numel
@@ -197,9 +193,6 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             )
             copies += chunk_copies(m, runs)
             order += [(k, i) for i in range(len(runs))]
-        if sum(len(s.entries) for s in steppers) != len(where):
-            self.chunked_step_off = "a CPU parameter lies in no host mirror"
-            return None
         events = [torch.cuda.Event() for _ in copies]
         return steppers, copies, events, order
 
@@ -221,8 +214,9 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         if not self.chunked_step or closure is not None:
             self._refuse_if_lean("chunked_step is off" if closure is None else "a closure")
             return super().step(closure)
-        if self._chunked_for != self.chunk_numel:
-            self._chunked, self._chunked_for = self._build_chunked(), self.chunk_numel
+        sizes = (self.chunk_numel, self.compute_numel)
+        if self._chunked_for != sizes:
+            self._chunked, self._chunked_for = self._build_chunked(), sizes
         if self._chunked is None:
             self._refuse_if_lean(self.chunked_step_off)
             return super().step(closure)
@@ -250,7 +244,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         self._sync_sub_optimizers_state_to_hdo()
 
     def _refuse_if_lean(self, why: str) -> None:
-        if getattr(self, "_lean", False) and any(m.cpu_grads is None for m in self.host_mirrors):
+        if any(m.cpu_grads is None for m in self.host_mirrors):
             raise RuntimeError(
                 f"the per-parameter offload step cannot run here ({why}): these host mirrors "
                 "were built for the chunked step, without a host copy of the gradients; keep "

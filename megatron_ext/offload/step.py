@@ -17,6 +17,7 @@ Pure CPU code; :mod:`.hybrid` drives it between the device copies.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -116,7 +117,8 @@ class ChunkedAdamW:
         host_params: the mirror's flat CPU parameters.
         cpu_grads: the mirror's flat CPU gradients (same length); read directly only where
             the gradients arrive in the CPU dtype (no conversion); None for a lean mirror.
-        entries: every CPU parameter of the mirror (views of ``host_params``).
+        entries: every CPU parameter of the mirror (views of ``host_params``, disjoint; kept
+            sorted by position in :attr:`entries`).
         chunks: runs of mirror coordinates covering the parameters, in update order (what
             one device copy each way moves).
         compute_numel: the sub-range length aimed at (cut as :func:`chunk_spans` cuts).
@@ -135,7 +137,7 @@ class ChunkedAdamW:
         ):
             raise ValueError("host parameters and gradients must be flat tensors alike")
         self.host_params, self.cpu_grads = host_params, cpu_grads
-        self.entries = tuple(entries)
+        self.entries = tuple(sorted(entries, key=lambda e: e.local.start))
         base = host_params.storage_offset()
         for e in self.entries:
             if not (
@@ -145,8 +147,12 @@ class ChunkedAdamW:
                 and e.param.is_contiguous()
             ):
                 raise ValueError(f"a CPU parameter is not the mirror's view at {e.local}")
-        self.chunks = tuple(chunks)
         spans = [e.local for e in self.entries]
+        for left, right in itertools.pairwise(spans):
+            if left.end > right.start:
+                raise ValueError(f"CPU parameters overlap in the mirror: {left} and {right}")
+        self.chunks = tuple(chunks)
+        starts = [s.start for s in spans]
         # per chunk, per sub-range: (sub-range, [(entry index, mirror span) of each piece])
         self.subs: list[list[tuple[Span, list[tuple[int, Span]]]]] = []
         longest = 0
@@ -154,10 +160,12 @@ class ChunkedAdamW:
             per_chunk = []
             for _, sub in chunk_spans([c], compute_numel, spans):
                 inside = []
-                for k, e in enumerate(self.entries):
-                    a, b = max(sub.start, e.local.start), min(sub.end, e.local.end)
+                k = max(bisect.bisect_right(starts, sub.start) - 1, 0)  # entries are disjoint
+                while k < len(spans) and spans[k].start < sub.end:
+                    a, b = max(sub.start, spans[k].start), min(sub.end, spans[k].end)
                     if a < b:
                         inside.append((k, Span(a, b)))
+                    k += 1
                 per_chunk.append((sub, inside))
                 longest = max(longest, sub.numel)
             self.subs.append(per_chunk)
@@ -169,11 +177,6 @@ class ChunkedAdamW:
         self.exp_avg_sq: torch.Tensor | None = None
         self._hyper: list[tuple] = []
         self._steps: list[torch.Tensor] = []
-
-    @property
-    def pieces(self) -> list[list[tuple[int, Span]]]:
-        """Per chunk, every (entry index, mirror span) piece in it."""
-        return [[x for _, inside in c for x in inside] for c in self.subs]
 
     def _flat(self, t: torch.Tensor | None, span: Span) -> torch.Tensor:
         return t[span.start : span.end]
