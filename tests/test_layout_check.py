@@ -14,10 +14,12 @@ from megatron_ext.spans import GradRecord
 
 
 def fake_ddp(
-    records, group, *, fp32_records=None, expert_group=None, expert_records=None, buckets=None
-):
-    """A DDP as _check_layouts_agree reads it: a bf16 buffer, optionally an fp32 one and an
-    expert one (over ``expert_group``), and megatron-core's two data-parallel groups."""
+    records, group, *, fp32_records=None, expert_group=None, expert_records=None, buckets=None,
+    ddp_groups=True,
+):  # fmt: skip
+    """A DDP as _check_layouts_agree reads it: a bf16 buffer (none when ``records`` is None),
+    optionally an fp32 one and an expert one (over ``expert_group``), and megatron-core's two
+    data-parallel groups (None when not ``ddp_groups``: each buffer's own group is used)."""
     expert_group = expert_group if expert_group is not None else group
     bufs, layouts = {}, []
     for dtype, rows, expert in (
@@ -42,8 +44,8 @@ def fake_ddp(
     return types.SimpleNamespace(
         layout=ChunkLayout(tuple(layouts)),
         grad_buffer=bufs.__getitem__,
-        intra_dp_cp_group=group,
-        intra_expt_dp_group=expert_group,
+        intra_dp_cp_group=group if ddp_groups else None,
+        intra_expt_dp_group=expert_group if ddp_groups else None,
     )
 
 
@@ -73,7 +75,14 @@ def test_every_rank_reports_the_first_differing_parameter(tmp_path):
         assert "parameter 'layers.0.b'" in m and "rank 2 has ('layers.0.bias_renamed'" in m
 
 
-CASES = ("agree", "extra_fp32_buffer", "extra_expert_buffer", "buckets")
+CASES = (
+    "agree",
+    "extra_fp32_buffer",
+    "extra_expert_buffer",
+    "buckets",
+    "no_buffer_on_rank_1",
+    "buffer_groups_only",
+)
 
 
 def differing_worker(rank, world, init_file, out_dir):
@@ -97,8 +106,14 @@ def differing_worker(rank, world, init_file, out_dir):
             kw["expert_records"] = [GradRecord("experts.0.w", 0, 64, 0)]
         if odd and case == "buckets":
             kw["buckets"] = (Span(0, 128), Span(128, 256))
+        mine = rows
+        if odd and case == "no_buffer_on_rank_1":  # its collectives run on the default device
+            mine = None
+        if case == "buffer_groups_only":  # no DDP groups: each buffer's group, renamed on 1
+            kw["ddp_groups"] = False
+            mine = [GradRecord("layers.0.renamed", 0, 64, 0)] if odd else rows
         try:
-            DistributedDataParallel._check_layouts_agree(fake_ddp(rows, dist.group.WORLD, **kw))
+            DistributedDataParallel._check_layouts_agree(fake_ddp(mine, dist.group.WORLD, **kw))
             msg = "agree"
         except LayoutMismatchError as e:
             msg = str(e)
@@ -126,6 +141,10 @@ def test_ranks_that_differ_get_a_named_error_not_a_hang(tmp_path):
         m = got["extra_expert_buffer", r]  # on the expert group: none on rank 0
         assert "rank 0 built 0 buffers" in m and "rank 1 built 1" in m, m
         assert "buffer header" in got["buckets", r] and "rank 1 has" in got["buckets", r]
+        m = got["no_buffer_on_rank_1", r]
+        assert "rank 0 built 1 buffers" in m and "rank 1 built 0" in m, m
+        m = got["buffer_groups_only", r]
+        assert "parameter 'layers.0.w'" in m and "'layers.0.renamed'" in m, m
 
 
 def test_first_difference_names_header_and_missing_rows():
