@@ -4,6 +4,30 @@
 # transformer-engine), train the demo model with FlatGradBuffers, then run the norm/clip and
 # memory benchmarks (CPU sizes without a GPU) and print their tables. Output files go to bench-out/ (override with OUT=...).
 set -euo pipefail
+usage() {
+  cat <<'USAGE'
+usage: bash scripts/main.sh [-h] [--steps STEPS] [--device DEVICE] [--max-norm MAX_NORM]
+
+The main job. It finds a Python >= 3.12, creates or reuses .venv/ and installs the project
+(torch, about 5 GB, the first time), then runs, printing each part's output:
+  1. python -m megatron_ext.mixed_list_demo: the norm of a mixed bf16/fp32 gradient list from
+     stock megatron-core (on a GPU only), from this library and in fp64;
+  2. python -m buffers.demo: a small mixed bf16/fp32 model trained with FlatGradBuffers;
+  3. benchmarks/norm_clip.py and benchmarks/memory.py (small sizes on the CPU, about a minute;
+     real sizes on a GPU), with their tables.
+
+options (passed to python -m buffers.demo):
+  -h, --help           show this help and exit, running nothing
+  --steps STEPS        training steps of the demo (default: 5)
+  --device DEVICE      cpu or cuda (default: cuda when torch sees a GPU, else cpu)
+  --max-norm MAX_NORM  clip the total gradient norm to this value every step (default: 1.0)
+
+files: the benchmarks' JSON and PNG files go to bench-out/, or to $OUT when it is set.
+USAGE
+}
+for arg in "$@"; do
+  case $arg in -h | --help) usage; exit 0 ;; esac
+done
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$root/scripts/setup_env.sh"
 cd "$root"

@@ -165,3 +165,30 @@ def test_the_wheel_ships_every_module_and_py_typed(tmp_path):
     }
     assert "megatron_ext/offload/hybrid.py" in sources
     assert sources - names == set()
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_main_job_help_prints_its_usage_and_runs_nothing(flag, tmp_path):
+    # a copy of the script whose set-up step leaves a mark: --help must stop before it
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "main.sh", tmp_path / "scripts" / "main.sh")
+    mark = tmp_path / "set-up-ran"
+    (tmp_path / "scripts" / "setup_env.sh").write_text(f"touch {mark}; exit 3\n")
+    proc = subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "main.sh"), "--steps", "2", flag],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert not mark.exists()
+    usage = proc.stdout
+    assert usage.startswith("usage: bash scripts/main.sh")
+    for part in ("megatron_ext.mixed_list_demo", "buffers.demo", "norm_clip.py", "memory.py"):
+        assert part in usage, part
+    assert "bench-out/" in usage and "$OUT" in usage
+    # every option of the demo, which receives the job's arguments, is listed
+    demo_options = {
+        s for a in demo.build_parser()._actions if a.dest != "help" for s in a.option_strings
+    }
+    assert demo_options and all(f"  {s} " in usage for s in demo_options), usage
