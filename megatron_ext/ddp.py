@@ -20,6 +20,23 @@ class LayoutMismatchError(RuntimeError):
     """Data-parallel ranks computed different gradient-buffer layouts."""
 
 
+NEEDS_CUDA = (
+    "megatron_ext.DistributedDataParallel needs a CUDA GPU (megatron-core's DDP allocates its "
+    "gradient buffers on the current CUDA device) and torch sees none; on the CPU, use "
+    "buffers.FlatGradBuffers (python -m buffers.demo shows it)"
+)
+
+
+def require_cuda() -> None:
+    """Raise one line naming what is needed when torch sees no CUDA GPU.
+
+    megatron-core's own error comes from deep inside its buffer code ("Found no NVIDIA
+    driver"), or earlier from an unrelated assertion when no process group is set up.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError(NEEDS_CUDA)
+
+
 class DistributedDataParallel(_MCoreDDP):
     """megatron-core's ``DistributedDataParallel`` plus ``per_dtype_grad_buffers``.
 
@@ -33,9 +50,12 @@ class DistributedDataParallel(_MCoreDDP):
     - every buffer's layout is recorded once in :attr:`layout` (a frozen
       :class:`~megatron_ext.layout.ChunkLayout`), and all ranks of each data-parallel group
       check with one small collective that they computed the same one.
+
+    Raises RuntimeError in one line, before megatron-core runs, when torch sees no CUDA GPU.
     """
 
     def __init__(self, config, ddp_config, module: torch.nn.Module, *args, **kwargs) -> None:
+        require_cuda()
         enabled = bool(getattr(ddp_config, "per_dtype_grad_buffers", False))
         if enabled:
             cast_marked_to_fp32(module)

@@ -93,6 +93,8 @@ def build_stack(
             with the arguments, or ``options`` without ``per_dtype_grad_buffers``. Raised
             before anything is allocated.
         TypeError: ``ddp`` or ``optimizer`` is neither a mapping nor a config.
+        RuntimeError: torch sees no CUDA GPU (megatron-core's DDP and optimizers run on
+            CUDA only), raised after the checks above and before megatron-core runs.
     """
     if options is not None and not per_dtype_grad_buffers:
         raise ValueError(

@@ -201,7 +201,32 @@ def mcore_constructors(monkeypatch):
     monkeypatch.setattr(MCoreDDP, "__init__", ddp_init)
     monkeypatch.setattr(mcore_optimizer, "get_megatron_optimizer", factory)
     monkeypatch.setattr(megatron_ext.optimizer, "enable_flat_norm", enable_flat_norm)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the fakes need no GPU
     return calls
+
+
+@pytest.mark.parametrize("per_dtype_grad_buffers", [True, False])
+def test_without_cuda_both_refuse_in_one_line_before_megatron_core_runs(
+    mcore_constructors, monkeypatch, per_dtype_grad_buffers
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    module = torch.nn.Linear(2, 2)
+    ddp_config = megatron_ext.DistributedDataParallelConfig(
+        per_dtype_grad_buffers=per_dtype_grad_buffers
+    )
+    calls = [
+        lambda: megatron_ext.DistributedDataParallel(BF16, ddp_config, module),
+        lambda: megatron_ext.build_stack(
+            module, BF16, per_dtype_grad_buffers=per_dtype_grad_buffers
+        ),
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError) as exc:
+            call()
+        message = str(exc.value)
+        assert "\n" not in message and "needs a CUDA GPU" in message, message
+        assert "buffers.FlatGradBuffers" in message  # what to use on the CPU instead
+    assert mcore_constructors.ddp == [] and mcore_constructors.factory == []
 
 
 def test_stock_is_megatron_cores_ddp_and_optimizer_factory(mcore_constructors):
