@@ -10,6 +10,7 @@ import argparse
 import torch
 
 from buffers import FlatGradBuffers
+from buffers.ops import check_max_norm
 
 
 class MixedModel(torch.nn.Module):
@@ -37,11 +38,50 @@ def reference_norm(model: torch.nn.Module) -> float:
     return sum(p.grad.double().square().sum() for p in model.parameters()).sqrt().item()
 
 
+def _steps(text: str) -> int:
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {steps}")
+    return steps
+
+
+def _max_norm(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    try:
+        return check_max_norm(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _device_problem(name: str) -> str | None:
+    """Why the demo cannot train on ``name``, or None when it can."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return f"{name!r} is not a torch device (examples: cpu, cuda, cuda:1)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"{name!r}: torch sees no CUDA GPU on this machine; use --device cpu"
+    try:
+        torch.zeros(1, device=device).cpu()  # a device that holds no data (meta) fails here
+    except (RuntimeError, AssertionError, NotImplementedError) as e:
+        return f"{name!r} cannot hold the model here ({str(e).splitlines()[0]})"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The demo's command line; every option's help says what it does and its default."""
     ap = argparse.ArgumentParser(prog="python -m buffers.demo", description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--steps", type=int, default=5, help="training steps to run (default: %(default)s)"
+        "--steps",
+        type=_steps,
+        default=5,
+        help="training steps to run, >= 1 (default: %(default)s)",
     )
     ap.add_argument(
         "--device",
@@ -51,16 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--max-norm",
-        type=float,
+        type=_max_norm,
         default=1.0,
-        help="clip the total gradient norm to this value every step; inf never clips "
+        help="clip the total gradient norm to this value every step, >= 0; inf never clips "
         "(default: %(default)s)",
     )
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = _device_problem(args.device)
+    if problem is not None:
+        parser.error(f"argument --device: {problem}")
 
     torch.manual_seed(0)
     device = torch.device(args.device)
