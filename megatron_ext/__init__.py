@@ -24,6 +24,7 @@ from .optimizer import enable_flat_norm, get_megatron_optimizer
 from .options import MegatronOptions
 from .refusals import UnsupportedCombinationError
 from .stack import Stack, build_stack
+from .wgrad_fusion import MissingFusionKernelError
 
 __all__ = [
     "AuditResult",
@@ -36,6 +37,7 @@ __all__ = [
     "Float16Module",
     "LayoutMismatchError",
     "MegatronOptions",
+    "MissingFusionKernelError",
     "Stack",
     "UnsupportedCombinationError",
     "cast_marked_to_fp32",

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from . import seam
+from . import seam, wgrad_fusion
 from .fp32 import cast_marked_to_fp32
 from .layout import BufferKey, BufferLayout, ChunkLayout, buffer_layout, record_params
 from .spans import GradRecord, exclusion_reason
@@ -51,11 +51,14 @@ class DistributedDataParallel(_MCoreDDP):
       :class:`~megatron_ext.layout.ChunkLayout`), and all ranks of each data-parallel group
       check with one small collective that they computed the same one.
 
-    Raises RuntimeError in one line, before megatron-core runs, when torch sees no CUDA GPU.
+    Raises RuntimeError in one line, before megatron-core runs, when torch sees no CUDA GPU,
+    or (:class:`~megatron_ext.wgrad_fusion.MissingFusionKernelError`) when ``config`` turns on
+    ``gradient_accumulation_fusion`` for megatron-core linear layers without apex's kernel.
     """
 
     def __init__(self, config, ddp_config, module: torch.nn.Module, *args, **kwargs) -> None:
         require_cuda()
+        wgrad_fusion.check_module(config, module)
         enabled = bool(getattr(ddp_config, "per_dtype_grad_buffers", False))
         if enabled:
             cast_marked_to_fp32(module)

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from . import seam
+from . import seam, wgrad_fusion
 from .config import DistributedDataParallelConfig
 from .ddp import DistributedDataParallel
 from .fp32 import Float16Module, mark_keep_in_fp32
@@ -428,11 +428,13 @@ def megatron_help() -> str:
 
 
 def refuse_unsupported(argv: list[str]) -> None:
-    """Refuse, from the command line alone, what our flags do not support.
+    """Refuse, from the command line alone, what our flags do not support, and gradient
+    accumulation fusion (Megatron-LM's default) where apex's kernel for it is absent.
 
     Runs before the script, so the refusal comes before Megatron-LM's own argument checks
     (whose asserts on, e.g., ``--use-torch-fsdp2`` would otherwise come first, as a
-    traceback). A command line this cannot read is left to Megatron-LM's parser.
+    traceback) and before megatron-core's output layer raises at construction. A command
+    line this cannot read is left to Megatron-LM's parser.
 
     Raises:
         UnsupportedTrainingOptionError: names the flags and what to do.
@@ -443,10 +445,16 @@ def refuse_unsupported(argv: list[str]) -> None:
         pre.add_argument(flag, action="store_true")
     pre.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
     pre.add_argument("--optimizer", default="adam")
+    pre.add_argument(NO_FUSION, action="store_false", dest="gradient_accumulation_fusion")
     try:
         args, _ = pre.parse_known_args(argv)
     except argparse.ArgumentError:
         return
+    if args.gradient_accumulation_fusion and not wgrad_fusion.fusion_kernel_available():
+        # both sides of a comparison: stock fails too, inside megatron-core's output layer
+        raise UnsupportedTrainingOptionError(
+            wgrad_fusion.message(f"add {NO_FUSION} (Megatron-LM turns the fusion on by default)")
+        )
     options = TrainOptions.from_args(args)
     _check_needs_buffers(options)
     if options.per_dtype_grad_buffers:
@@ -465,6 +473,7 @@ def _check_needs_buffers(options: TrainOptions) -> None:
         )
 
 
+NO_FUSION = "--no-gradient-accumulation-fusion"
 # Megatron-LM's on/off flags that check_supported reads
 SCREENED_FLAGS = (
     "--use-torch-fsdp2",

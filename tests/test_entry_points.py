@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from buffers import demo
-from megatron_ext import train
+from megatron_ext import train, wgrad_fusion
 
 ROOT = Path(__file__).resolve().parents[1]
+NO_FUSION = "--no-gradient-accumulation-fusion"  # apex's kernel for the fusion is absent here
 OUR_FLAGS = (
     "--per-dtype-grad-buffers",
     "--keep-in-fp32-params",
@@ -89,7 +90,7 @@ def test_unsupported_flags_are_refused_in_one_line_before_the_script_runs(
     script.write_text("raise SystemExit('the script ran')\n")
     monkeypatch.setattr(train, "install", lambda: (_ for _ in ()).throw(_Ran()))
     with pytest.raises(SystemExit) as exc:
-        train.main([str(script), "--lr", "1e-3", *flags, "--micro-batch-size", "2"])
+        train.main([str(script), "--lr", "1e-3", *flags, "--micro-batch-size", "2", NO_FUSION])
     message = exc.value.code
     assert isinstance(message, str) and "\n" not in message
     assert message.startswith("megatron_ext.train: error: ") and named in message
@@ -109,7 +110,35 @@ def test_supported_or_unreadable_command_lines_reach_the_script(flags, tmp_path,
     script.write_text("")
     monkeypatch.setattr(train, "install", lambda: (_ for _ in ()).throw(_Ran()))
     with pytest.raises(_Ran):
-        train.main([str(script), *flags])
+        train.main([str(script), *flags, NO_FUSION])
+
+
+@pytest.mark.parametrize("ours", [["--per-dtype-grad-buffers"], []], ids=["ours", "stock"])
+def test_fusion_without_apexs_kernel_is_refused_in_one_line_naming_the_flag(
+    ours, tmp_path, monkeypatch
+):
+    # Megatron-LM's default; megatron-core's output layer would raise at construction
+    monkeypatch.setattr(wgrad_fusion, "fusion_kernel_available", lambda: False)
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    monkeypatch.setattr(train, "install", lambda: (_ for _ in ()).throw(_Ran()))
+    with pytest.raises(SystemExit) as exc:
+        train.main([str(script), "--transformer-impl", "transformer_engine", *ours])
+    message = exc.value.code
+    assert isinstance(message, str) and "\n" not in message
+    assert message.startswith("megatron_ext.train: error: ")
+    assert "fused_weight_gradient_mlp_cuda" in message and f"add {NO_FUSION}" in message
+    # with the kernel installed the same line reaches the script
+    monkeypatch.setattr(wgrad_fusion, "fusion_kernel_available", lambda: True)
+    with pytest.raises(_Ran):
+        train.main([str(script), "--transformer-impl", "transformer_engine", *ours])
+
+
+def test_the_fusion_kernel_is_looked_up_by_the_name_megatron_core_imports():
+    # megatron-core's own availability flag, read from its module: the oracle
+    from megatron.core.tensor_parallel import layers
+
+    assert wgrad_fusion.fusion_kernel_available() is layers._grad_accum_fusion_available
 
 
 def test_demo_help_describes_every_option():

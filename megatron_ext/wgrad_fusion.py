@@ -1,0 +1,60 @@
+"""``gradient_accumulation_fusion`` without apex: refused in one line, before anything is built.
+
+With ``gradient_accumulation_fusion=True`` in the ``TransformerConfig``, megatron-core's own
+linear layers (``ColumnParallelLinear``, ``RowParallelLinear``, e.g. a GPT's output layer,
+or every layer of the local spec) accumulate weight gradients through apex's CUDA extension
+``fused_weight_gradient_mlp_cuda``. Without it, ``ColumnParallelLinear`` raises at
+construction and ``RowParallelLinear`` fails at the first backward (megatron-core calls the
+missing module). transformer-engine's layers fuse without apex, but the same config field
+drives both, so the choice is the user's: turn the fusion off, or install apex.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+KERNEL = "fused_weight_gradient_mlp_cuda"
+
+
+class MissingFusionKernelError(RuntimeError):
+    """``gradient_accumulation_fusion`` is on and apex's fused weight-gradient kernel is absent."""
+
+
+def fusion_kernel_available() -> bool:
+    """Whether apex's ``fused_weight_gradient_mlp_cuda`` is installed (megatron-core imports
+    it by that name)."""
+    return importlib.util.find_spec(KERNEL) is not None
+
+
+def message(turn_off: str, layer: str | None = None) -> str:
+    """The one-line refusal; ``turn_off`` says how this entry point turns the fusion off,
+    ``layer`` names one of the module's megatron-core linear layers when known."""
+    which = f"; here {layer!r}" if layer else ""
+    return (
+        f"gradient_accumulation_fusion needs apex's {KERNEL} CUDA extension for "
+        "megatron-core's own linear layers (ColumnParallelLinear, RowParallelLinear: a GPT's "
+        f"output layer, every layer of the local spec{which}), and it is not installed: "
+        f"{turn_off}, or install apex with its --cpp_ext --cuda_ext extensions"
+    )
+
+
+def check_module(transformer_config, module: torch.nn.Module) -> None:
+    """Refuse ``module`` when its config fuses weight-gradient accumulation, the kernel is
+    absent and a megatron-core linear layer would call it.
+
+    Raises:
+        MissingFusionKernelError: one line naming the kernel and what to do.
+    """
+    if not getattr(transformer_config, "gradient_accumulation_fusion", False):
+        return
+    if fusion_kernel_available():
+        return
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    layers = (ColumnParallelLinear, RowParallelLinear)
+    found = next((n for n, m in module.named_modules() if isinstance(m, layers)), None)
+    if found is not None:
+        turn_off = "set gradient_accumulation_fusion=False in the TransformerConfig"
+        raise MissingFusionKernelError(message(turn_off, found or type(module).__name__))
