@@ -9,7 +9,6 @@ path.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import sys
@@ -31,9 +30,26 @@ from buffers.spans import (
 )
 from megatron_ext import offload
 from megatron_ext.layout import buffer_layout
-from megatron_ext.offload import HostMirrorHybridOptimizer, OffloadSource
+from megatron_ext.offload import HostMirrorHybridOptimizer
 from megatron_ext.offload.host_mirror import build_buffer_mirror
 from megatron_ext.offload.plan import MirrorLayout, copy_schedule, mirror_layout, offload_blocks
+from tests.support import streams
+from tests.support.offload_sim import (
+    FP32_SHAPES,
+    SHAPES,
+    MirrorChunked,
+    MirrorPlaced,
+    SimBuffer,
+    StockPlaced,
+    StockPlacedFp32Fixed,
+    assert_same_run,
+    assert_same_state,
+    make_hdo,
+    recording_streams,
+    sim,
+    train,
+    train_switching,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FP64 = torch.float64
@@ -248,214 +264,39 @@ def test_mirror_reads_from_a_local_fp32_mirror_and_writes_to_a_local_device_flat
 # megatron-core's HybridDeviceOptimizer with host mirrors against its per-parameter path
 
 
-class _Stream:
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self):
-        return _Event()
-
-
-class _Event:
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def wait(self, stream=None):
-        pass
-
-
 @pytest.fixture
 def cpu_streams(monkeypatch):
-    """megatron-core's CUDA streams and events as no-ops (every copy here is synchronous)."""
-    stream = _Stream()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: stream)
-    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    return recording_streams(monkeypatch)
 
 
-ALIGN = 64
-SHAPES = {"w1": (24, 16), "b1": (24,), "w2": (16, 24), "b2": (16,), "ln": (16,)}
-FP32_SHAPES = {"sink": (16,), "router": (4, 16)}
-
-
-class _Buffer:
-    """A flat parameter buffer and its gradient buffer, parameters as views (like DDP's)."""
-
-    def __init__(self, shapes, param_dtype, grad_dtype, dp, rank):
-        self.spans, start = {}, 0
-        for name, shape in shapes.items():
-            n = torch.Size(shape).numel()
-            self.spans[name] = S(start, start + n)
-            start = -(-(start + n) // ALIGN) * ALIGN
-        numel = -(-start // (dp * 8)) * dp * 8
-        self.param_data = torch.zeros(numel, dtype=param_dtype)
-        self.grad_data = torch.zeros(numel, dtype=grad_dtype)
-        self.owned = merge_spans(dp_shard_spans([S(0, numel)], dp, rank))
-        gen = torch.Generator().manual_seed(7)
-        for s in self.spans.values():
-            self.param_data[s.start : s.end] = torch.randn(s.numel, generator=gen)
-        # this rank's shard of each parameter
-        self.shards = {
-            name: piece
-            for name, s in self.spans.items()
-            for piece in intersect_spans([s], self.owned)
-        }
-
-
-def _sim(pa, fp32_first, grads_fp32, dp, rank):
-    """Two buffers, shard parameters and their gradient bindings, as megatron-core has them."""
-    bf16 = _Buffer(
-        SHAPES, torch.bfloat16, torch.float32 if grads_fp32 else torch.bfloat16, dp, rank
-    )
-    fp32 = _Buffer(FP32_SHAPES, torch.float32, torch.float32, dp, rank)
-    mirror = None
-    if pa:
-        shard16 = {n: bf16.param_data[s.start : s.end] for n, s in bf16.shards.items()}
-    else:
-        # fp32 main shards (separate tensors) whose .grad is an fp32 mirror of the shard
-        shard16 = {n: bf16.param_data[s.start : s.end].float() for n, s in bf16.shards.items()}
-        mirror = torch.zeros(sum(o.numel for o in bf16.owned))
-    shard32 = {n: fp32.param_data[s.start : s.end] for n, s in fp32.shards.items()}
-    # megatron-core's groups: weight decay for 2-D params only; fp32 shards first in each
-    # (the other order gives the greedy placement at fraction 0.5 other parameters)
-    first, second = (shard32, shard16) if fp32_first else (shard16, shard32)
-    groups = []
-    for decay in (True, False):
-        params = [
-            p
-            for shards in (first, second)
-            for name, p in shards.items()
-            if (len((SHAPES | FP32_SHAPES)[name]) > 1) == decay
-        ]
-        groups.append({"params": params, "weight_decay": 0.1 if decay else 0.0})
-    sources = (
-        OffloadSource(
-            "bf16", bf16.owned, mirror if mirror is not None else bf16.grad_data,
-            bf16.owned if mirror is not None else None, bf16.param_data,
-            {shard16[n]: bf16.shards[n] for n in shard16},
-        ),
-        OffloadSource(
-            "fp32", fp32.owned, fp32.grad_data, None, fp32.param_data,
-            {shard32[n]: fp32.shards[n] for n in shard32},
-        ),
-    )  # fmt: skip
-
-    def bind_grads():
-        if mirror is not None:
-            for dst, src in zip(
-                torch.split(mirror, [o.numel for o in bf16.owned]),
-                [bf16.grad_data[o.start : o.end] for o in bf16.owned],
-                strict=True,
-            ):
-                dst.copy_(src)
-        for n, p in shard16.items():
-            s = bf16.shards[n]
-            if pa:
-                p.decoupled_grad = bf16.grad_data[s.start : s.end]
-            else:
-                (local,) = to_local([s], bf16.owned)
-                p.grad = mirror[local.start : local.end]
-        for n, p in shard32.items():
-            s = fp32.shards[n]
-            view = fp32.grad_data[s.start : s.end]
-            if pa:
-                p.decoupled_grad = view
-            else:
-                p.grad = view
-
-    return bf16, fp32, groups, sources, bind_grads, shard16
-
-
-def _placement(groups, fraction):
-    """megatron-core's ``_get_sub_optimizer_param_groups``, every parameter "on the GPU"."""
-    total = sum(p.numel() for g in groups for p in g["params"])
-    done = 0
-    cpu_groups, gpu_groups, to_cpu, to_gpu, fp32 = [], [], {}, {}, {}
-    for group in groups:
-        cg, gg = {**group, "params": []}, {**group, "params": []}
-        for orig in group["params"]:
-            param, moved = orig, False
-            if done < total * fraction:
-                param, moved = orig.detach().clone(), True
-                done += param.numel()
-            if param.dtype != torch.float32:
-                param = param.detach().clone().float()
-                fp32[orig] = param
-            if moved:
-                to_cpu[orig], to_gpu[param] = param, orig
-            (cg if moved else gg)["params"].append(param)
-        cpu_groups += [cg] if cg["params"] else []
-        gpu_groups += [gg] if gg["params"] else []
-    return cpu_groups, gpu_groups, to_cpu, to_gpu, fp32
-
-
-class _StockPlaced(HybridDeviceOptimizer):
-    """megatron-core's optimizer, unchanged but for the placement above."""
-
-    def _get_sub_optimizer_param_groups(self, offload_fraction):
-        return _placement(self.param_groups, offload_fraction)
-
-
-class _StockPlacedFp32Fixed(_StockPlaced):
-    """The per-parameter reference: megatron-core's path, plus the one fix host mirrors make.
-
-    With precision-aware gradients (``.decoupled_grad``), megatron-core gives a natively
-    fp32 parameter that stays on the GPU no ``.grad``, so its torch GPU optimizer skips it;
-    host mirrors bind ``.grad = .decoupled_grad`` (:func:`bind_native_grads`).
-    """
-
-    def _set_sub_optimizer_grads(self):
-        bind_native_grads(self)
-        super()._set_sub_optimizer_grads()
-
-
-def bind_native_grads(hdo):
-    for g in hdo.gpu_param_groups:
-        for p in g["params"]:
-            grad = getattr(p, "decoupled_grad", None)
-            if p not in hdo.fp32_param_to_orig_param and grad is not None:
-                p.grad = grad
-
-
-class _MirrorPlaced(HostMirrorHybridOptimizer):
-    """Host mirrors; the placement above wherever megatron-core's would run (a reload)."""
-
-    def _get_sub_optimizer_param_groups(self, offload_fraction):
-        if self._reused_placement is not None:  # attach_host_mirrors' path, at construction
-            return super()._get_sub_optimizer_param_groups(offload_fraction)
-        return _placement(self.param_groups, offload_fraction)
-
-
-class _MirrorChunked(_MirrorPlaced):
-    """Host mirrors with the chunked step, in chunks that cut parameters (and blocks)."""
-
-    chunked_step = True
-    chunk_numel = 40
-
-
-def _hdo(cls, groups, fraction, overlap, sources=None, chunk=None, compute=None):
-    hdo = cls.__new__(cls)
-    if chunk is not None:
-        hdo.chunk_numel = chunk
-    if compute is not None:
-        hdo.compute_numel = compute
-    if sources is not None:
-        # placed from hdo.param_groups (megatron-core's defaults, fused=True, filled in), as
-        # attach_host_mirrors reuses megatron-core's placement
-        hdo._offload_sources = sources
-    HybridDeviceOptimizer.__init__(
-        hdo, groups, offload_fraction=fraction, cpu_optimizer_cls=torch.optim.AdamW,
-        gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True, pin_cpu_grads=False,
-        overlap_cpu_optimizer_d2h_h2d=overlap, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True,
-    )  # fmt: skip
-    return hdo
+def test_recording_streams_order_copies_events_waits_and_reads(monkeypatch):
+    """The stand-ins the offload tests run on: copy -> event -> synchronize -> read passes;
+    a read without the synchronize, a copy not ordered after the compute stream, and a step
+    end before the compute stream waits for the copies back each raise."""
+    log = streams.install(monkeypatch)
+    host = torch.zeros(8)
+    side = torch.cuda.Stream()
+    log.step_begins()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        log.device_copy("d2h", streams.host_bytes(host), to_host=True)
+        event = torch.cuda.Event()
+        event.record(side)
+    with pytest.raises(streams.OrderError, match="may not have finished"):
+        log.host_access("reads", streams.host_bytes(host[2:4]))
+    event.synchronize()
+    log.host_access("reads", streams.host_bytes(host[2:4]))
+    log.host_access("reads", streams.host_bytes(torch.zeros(8)))  # other bytes: no copy
+    with torch.cuda.stream(side):
+        log.device_copy("h2d", streams.host_bytes(host), to_host=False)
+    with pytest.raises(streams.OrderError, match="before the compute stream was ordered"):
+        log.step_ends()
+    torch.cuda.current_stream().wait_stream(side)
+    log.step_ends()
+    log.step_begins()
+    late = torch.cuda.Stream()  # never told to wait for the compute stream
+    with torch.cuda.stream(late), pytest.raises(streams.OrderError, match="queued before"):
+        log.device_copy("d2h", streams.host_bytes(host), to_host=True)
 
 
 @pytest.mark.parametrize("dp,rank", [(1, 0), (2, 1)])
@@ -471,10 +312,10 @@ def test_hdo_with_host_mirrors_matches_stock_bit_for_bit(
     cpu_streams, pa, grads_fp32, fraction, overlap, fp32_first, dp, rank
 ):
     runs = []
-    for cls in (_StockPlacedFp32Fixed, _MirrorPlaced, _MirrorChunked):
-        bf16, fp32, groups, sources, bind, shard16 = _sim(pa, fp32_first, grads_fp32, dp, rank)
-        hdo = _hdo(
-            cls, groups, fraction, overlap, None if issubclass(cls, _StockPlaced) else sources
+    for cls in (StockPlacedFp32Fixed, MirrorPlaced, MirrorChunked):
+        bf16, fp32, groups, sources, bind, shard16 = sim(pa, fp32_first, grads_fp32, dp, rank)
+        hdo = make_hdo(
+            cls, groups, fraction, overlap, None if issubclass(cls, StockPlaced) else sources
         )
         runs.append((bf16, fp32, bind, hdo, shard16))
     for ours in (runs[1][3], runs[2][3]):
@@ -502,33 +343,21 @@ def test_hdo_with_host_mirrors_matches_stock_bit_for_bit(
             assert torch.equal(a32.param_data, b32.param_data)
             for x, y in zip(main_a.values(), main_b.values(), strict=True):
                 assert torch.equal(x, y)  # the updated shards (fp32 main shards without pa)
-            _assert_same_state(stock, mine)
+            assert_same_state(stock, mine)
     assert runs[2][3]._chunked is not None, runs[2][3].chunked_step_off  # not a fallback
     assert {id(c): c.grad for c in runs[1][3].cpu_copys_map_gpu_param} == grads_before
     moved = [not torch.equal(p, q) for p, q in zip(runs[1][4].values(), initial, strict=True)]
     assert all(moved)
 
 
-def _assert_same_state(stock, mine):
-    a = [p for g in stock.param_groups for p in g["params"]]
-    b = [p for g in mine.param_groups for p in g["params"]]
-    assert len(a) == len(b)
-    for pa_, pb in zip(a, b, strict=True):
-        sa, sb = stock.state[pa_], mine.state[pb]
-        assert sa.keys() == sb.keys() and {"exp_avg", "exp_avg_sq"} <= sa.keys()
-        for key in sa:
-            assert torch.equal(sa[key], sb[key]), key
-    assert [p in stock.gpu_params_map_cpu_copy for p in a] == [
-        p in mine.gpu_params_map_cpu_copy for p in b
-    ]
-
-
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
 def test_gpu_resident_fp32_params_train_with_precision_aware_grads(cpu_streams, fraction):
     trained = {}
-    for cls in (_StockPlaced, _MirrorPlaced):
-        _, fp32, groups, sources, bind, _ = _sim(True, False, False, 1, 0)
-        hdo = _hdo(cls, groups, fraction, False, None if issubclass(cls, _StockPlaced) else sources)
+    for cls in (StockPlaced, MirrorPlaced):
+        _, fp32, groups, sources, bind, _ = sim(True, False, False, 1, 0)
+        hdo = make_hdo(
+            cls, groups, fraction, False, None if issubclass(cls, StockPlaced) else sources
+        )
         natives = [
             p
             for g in hdo.param_groups
@@ -545,8 +374,8 @@ def test_gpu_resident_fp32_params_train_with_precision_aware_grads(cpu_streams, 
             for p, b in zip(natives, before, strict=True)
         ]
     # megatron-core: its torch GPU optimizer never sees their (decoupled) gradients
-    assert not any(trained[_StockPlaced])
-    assert all(trained[_MirrorPlaced])
+    assert not any(trained[StockPlaced])
+    assert all(trained[MirrorPlaced])
 
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
@@ -555,8 +384,8 @@ def test_state_dict_round_trip_keeps_the_trajectory(cpu_streams, fraction):
     natively fp32 parameters included (megatron-core's own reload raises KeyError there)."""
     finals = []
     for reload in (False, True):
-        bf16, fp32, groups, sources, bind, shard16 = _sim(True, True, False, 1, 0)
-        hdo = _hdo(_MirrorPlaced, groups, fraction, False, sources)
+        bf16, fp32, groups, sources, bind, shard16 = sim(True, True, False, 1, 0)
+        hdo = make_hdo(MirrorPlaced, groups, fraction, False, sources)
         gen = torch.Generator().manual_seed(5)
         for step in range(4):
             if reload and step == 2:
@@ -574,12 +403,12 @@ def test_state_dict_round_trip_keeps_the_trajectory(cpu_streams, fraction):
     (a16, a32, a), (b16, b32, b) = finals
     assert torch.equal(a16.param_data, b16.param_data)
     assert torch.equal(a32.param_data, b32.param_data)
-    _assert_same_state(a, b)
+    assert_same_state(a, b)
 
 
 def test_model_param_reload_refreshes_every_cpu_copy(cpu_streams):
-    _, fp32, groups, sources, _, _ = _sim(True, True, False, 1, 0)
-    hdo = _hdo(_MirrorPlaced, groups, 1.0, False, sources)
+    _, fp32, groups, sources, _, _ = sim(True, True, False, 1, 0)
+    hdo = make_hdo(MirrorPlaced, groups, 1.0, False, sources)
     fp32.param_data.fill_(3.0)
     hdo.update_fp32_param_by_new_param()  # megatron-core skips natively fp32 parameters
     for orig, cpu in hdo.gpu_params_map_cpu_copy.items():
@@ -588,8 +417,8 @@ def test_model_param_reload_refreshes_every_cpu_copy(cpu_streams):
 
 
 def test_cpu_params_and_grads_are_views_of_the_mirrors(cpu_streams):
-    _, _, groups, sources, _, _ = _sim(True, False, False, 1, 0)
-    hdo = _hdo(_MirrorPlaced, groups, 1.0, True, sources)
+    _, _, groups, sources, _, _ = sim(True, False, False, 1, 0)
+    hdo = make_hdo(MirrorPlaced, groups, 1.0, True, sources)
     hosts = {m.host_params.untyped_storage().data_ptr() for m in hdo.host_mirrors}
     grads = {m.cpu_grads.untyped_storage().data_ptr() for m in hdo.host_mirrors}
     for cpu in hdo.cpu_copys_map_gpu_param:
@@ -606,9 +435,9 @@ def test_cpu_params_and_grads_are_views_of_the_mirrors(cpu_streams):
 
 
 def test_a_parameter_outside_every_buffer_is_an_error(cpu_streams):
-    _, _, groups, sources, _, _ = _sim(True, False, False, 1, 0)
+    _, _, groups, sources, _, _ = sim(True, False, False, 1, 0)
     with pytest.raises(RuntimeError, match="lie in no flat buffer"):
-        _hdo(_MirrorPlaced, groups, 1.0, False, sources[:1])
+        make_hdo(MirrorPlaced, groups, 1.0, False, sources[:1])
 
 
 def _distopt_shaped(pa, dp, rank):
@@ -631,7 +460,7 @@ def _distopt_shaped(pa, dp, rank):
     for index, (shapes, dtype) in enumerate(
         ((SHAPES, torch.bfloat16), (FP32_SHAPES, torch.float32))
     ):
-        b = _Buffer(shapes, dtype, dtype, dp, rank)
+        b = SimBuffer(shapes, dtype, dtype, dp, rank)
         index_map = {}
         for name, span in b.spans.items():
             model = b.param_data[span.start : span.end].view(shapes[name])
@@ -667,7 +496,7 @@ def _distopt_shaped(pa, dp, rank):
     child.shard_fp32_from_float16_groups = [[None] * len(halves[0])] if pa else shard16
     child.shard_fp32_groups = [[shards[m] for m in halves[1]]]
     groups = [{"params": [*child.shard_fp32_groups[0], *shard16[0]], "weight_decay": 0.0}]
-    child.optimizer = _hdo(_StockPlaced, groups, 0.5, False)
+    child.optimizer = make_hdo(StockPlaced, groups, 0.5, False)
     return child
 
 
@@ -868,37 +697,8 @@ def test_sub_optimizer_state_goes_to_its_parameters_device():
 # The chunked step (megatron_ext.offload.step)
 
 
-def _train(cls, pa, fraction, steps, chunk=None, overlap=True, reload_at=None, compute=None):
-    bf16, fp32, groups, sources, bind, shard16 = _sim(pa, False, False, 2, 1)
-    hdo = _hdo(
-        cls,
-        groups,
-        fraction,
-        overlap,
-        None if issubclass(cls, _StockPlaced) else sources,
-        chunk,
-        compute,
-    )
-    gen = torch.Generator().manual_seed(11)
-    for step in range(steps):
-        if reload_at == step:
-            hdo.load_state_dict(hdo.state_dict())
-        _one_step(bf16, fp32, bind, hdo, step, gen)
-    return bf16, fp32, hdo, shard16
-
-
-def _one_step(bf16, fp32, bind, hdo, step, gen):
-    """Fresh gradients, an lr schedule per group, one step."""
-    bf16.grad_data.copy_(torch.randn(bf16.grad_data.numel(), generator=gen))
-    fp32.grad_data.copy_(torch.randn(fp32.grad_data.numel(), generator=gen))
-    bind()
-    for i, g in enumerate(hdo.param_groups):
-        g["lr"] = 3e-3 * (step + 2) * (i + 1)
-    hdo.step()
-
-
 def test_chunked_step_reports_its_host_bytes_and_allocates_once(cpu_streams):
-    ours = _train(_MirrorChunked, True, 1.0, 1, chunk=200, compute=64)
+    ours = train(MirrorChunked, True, 1.0, 1, chunk=200, compute=64)
     hdo = ours[2]
     steppers = hdo._chunked[0]
     stats = hdo.host_mirror_stats()
@@ -922,8 +722,8 @@ def test_chunked_step_reports_its_host_bytes_and_allocates_once(cpu_streams):
 def test_chunked_mirrors_keep_no_host_copy_of_the_gradients(cpu_streams):
     """bf16 gradients: the per-parameter step reads an fp32 host copy of them (4 bytes per
     element); the chunked step converts into its scratch, so its mirror has none."""
-    per = _train(_MirrorPlaced, True, 1.0, 1)[2]
-    lean = _train(_MirrorChunked, True, 1.0, 1, chunk=200, compute=64)[2]
+    per = train(MirrorPlaced, True, 1.0, 1)[2]
+    lean = train(MirrorChunked, True, 1.0, 1, chunk=200, compute=64)[2]
     by_name = {m["buffer"]: m for m in per.host_mirror_stats()}
     for row in lean.host_mirror_stats():
         plain = by_name[row["buffer"]]
@@ -936,6 +736,7 @@ def test_chunked_mirrors_keep_no_host_copy_of_the_gradients(cpu_streams):
         assert row["host_param_bytes"] == plain["host_param_bytes"]
     bf16_mirror = next(m for m in lean.host_mirrors if m.grads_dtype == torch.bfloat16)
     assert bf16_mirror.cpu_grads is None
+    cpu_streams.compute.synchronize()  # the last step's copies back are done
     with pytest.raises(RuntimeError, match="lean .*only the chunked offload step converts"):
         bf16_mirror.blocks[0].convert_grads()
     lean.chunked_step = False  # the per-parameter step would read no gradients: refused
@@ -944,7 +745,7 @@ def test_chunked_mirrors_keep_no_host_copy_of_the_gradients(cpu_streams):
 
 
 def test_the_chunked_step_is_rebuilt_when_its_sizes_change(cpu_streams):
-    bf16, fp32, hdo, _ = _train(_MirrorChunked, True, 1.0, 1, chunk=10**9, compute=10**9)
+    bf16, fp32, hdo, _ = train(MirrorChunked, True, 1.0, 1, chunk=10**9, compute=10**9)
     first = hdo._chunked
     assert sum(len(c) for s in first[0] for c in s.subs) == len(first[1])  # one sub each
     hdo.compute_numel = 64
@@ -956,33 +757,11 @@ def test_the_chunked_step_is_rebuilt_when_its_sizes_change(cpu_streams):
     assert len(hdo._chunked[1]) > len(first[1])
 
 
-def _train_switching(first, second, pa, fraction, steps, switch_at):
-    """_train's run, checkpointed after ``switch_at`` steps of ``first`` and resumed in a
-    fresh ``second`` optimizer over fresh buffers (model parameters copied, optimizer state
-    through state_dict / load_state_dict)."""
-    gen = torch.Generator().manual_seed(11)
-    run = None
-    for step in range(steps):
-        if step in (0, switch_at):
-            cls = first if step == 0 else second
-            bf16, fp32, groups, sources, bind, shard16 = _sim(pa, False, False, 2, 1)
-            hdo = _hdo(cls, groups, fraction, True, sources, 200, 64)
-            if run is not None:  # the checkpoint: model parameters, then optimizer state
-                bf16.param_data.copy_(run[0].param_data)
-                fp32.param_data.copy_(run[1].param_data)
-                for dst, src in zip(shard16.values(), run[3].values(), strict=True):
-                    dst.copy_(src)
-                hdo.load_state_dict(run[2].state_dict())
-            run = (bf16, fp32, hdo, shard16)
-        _one_step(bf16, fp32, bind, hdo, step, gen)
-    return run
-
-
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 @pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])
 @pytest.mark.parametrize(
     "first,second",
-    [(_MirrorChunked, _MirrorPlaced), (_MirrorPlaced, _MirrorChunked)],
+    [(MirrorChunked, MirrorPlaced), (MirrorPlaced, MirrorChunked)],
     ids=["chunked_to_per_parameter", "per_parameter_to_chunked"],
 )
 def test_checkpoints_move_between_the_chunked_and_per_parameter_steps(
@@ -990,18 +769,10 @@ def test_checkpoints_move_between_the_chunked_and_per_parameter_steps(
 ):
     """Saved by one step kind, loaded into the other: megatron-core's format either way,
     and the run continues as an uninterrupted per-parameter one, bit for bit."""
-    plain = _train(_StockPlacedFp32Fixed, pa, fraction, 4)
-    switched = _train_switching(first, second, pa, fraction, 4, switch_at=2)
-    assert (switched[2]._chunked is not None) == (second is _MirrorChunked)
-    _assert_same_run(plain, switched)
-
-
-def _assert_same_run(a, b):
-    assert torch.equal(a[0].param_data, b[0].param_data)
-    assert torch.equal(a[1].param_data, b[1].param_data)
-    for x, y in zip(a[3].values(), b[3].values(), strict=True):
-        assert torch.equal(x, y)
-    _assert_same_state(a[2], b[2])
+    plain = train(StockPlacedFp32Fixed, pa, fraction, 4)
+    switched = train_switching(first, second, pa, fraction, 4, switch_at=2)
+    assert (switched[2]._chunked is not None) == (second is MirrorChunked)
+    assert_same_run(plain, switched)
 
 
 @pytest.mark.parametrize(
@@ -1013,8 +784,8 @@ def test_chunked_step_is_stock_bit_for_bit_at_any_chunk_size(
     cpu_streams, pa, fraction, chunk, compute
 ):
     """Chunks (copies) and their sub-ranges (convert, update, pack) of any size."""
-    stock = _train(_StockPlacedFp32Fixed, pa, fraction, 3)
-    ours = _train(_MirrorChunked, pa, fraction, 3, chunk=chunk, compute=compute)
+    stock = train(StockPlacedFp32Fixed, pa, fraction, 3)
+    ours = train(MirrorChunked, pa, fraction, 3, chunk=chunk, compute=compute)
     assert ours[2]._chunked is not None, ours[2].chunked_step_off
     steppers, copies, _, _ = ours[2]._chunked
     subs = sum(len(c) for s in steppers for c in s.subs)
@@ -1024,16 +795,16 @@ def test_chunked_step_is_stock_bit_for_bit_at_any_chunk_size(
         assert len(copies) == blocks
     else:
         assert len(copies) > blocks
-    _assert_same_run(stock, ours)
+    assert_same_run(stock, ours)
 
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_chunked_step_state_round_trip_keeps_the_trajectory(cpu_streams, fraction):
     """A loaded state (other tensors than the flat moments' views) is copied in, re-bound,
     and training continues as without the reload; the state still holds views after."""
-    plain = _train(_MirrorChunked, True, fraction, 4)
-    reloaded = _train(_MirrorChunked, True, fraction, 4, reload_at=2)
-    _assert_same_run(plain, reloaded)
+    plain = train(MirrorChunked, True, fraction, 4)
+    reloaded = train(MirrorChunked, True, fraction, 4, reload_at=2)
+    assert_same_run(plain, reloaded)
     for stepper in reloaded[2]._chunked[0]:
         for e in stepper.entries:
             st = e.optimizer.state[e.param]
@@ -1044,14 +815,14 @@ def test_chunked_step_state_round_trip_keeps_the_trajectory(cpu_streams, fractio
 
 
 def test_chunked_step_falls_back_where_the_cpu_adamw_is_not_fused(cpu_streams):
-    class NotFused(_MirrorChunked):
+    class NotFused(MirrorChunked):
         def _build_host_mirrors(self):
             for opt in self.cpu_optimizers:
                 for g in opt.param_groups:
                     g["fused"] = None
             super()._build_host_mirrors()
 
-    ours = _train(NotFused, True, 1.0, 2, chunk=7)
+    ours = train(NotFused, True, 1.0, 2, chunk=7)
     assert ours[2]._chunked is None
     assert "not fused" in ours[2].chunked_step_off
     # built with the host gradients the fallback reads
@@ -1090,7 +861,7 @@ def test_chunked_step_order_and_one_call_per_chunk_and_hyperparameters(cpu_strea
         return real_fused(params, *args, **kwargs)
 
     monkeypatch.setattr(torch, "_fused_adamw_", counting)
-    ours = _train(_MirrorChunked, True, 1.0, 1, chunk=200, compute=64)
+    ours = train(MirrorChunked, True, 1.0, 1, chunk=200, compute=64)
     _, copies, _, _ = ours[2]._chunked
     ids = [id(c) for c in copies]
     n = len(ids)

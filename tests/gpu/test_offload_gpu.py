@@ -269,11 +269,16 @@ def test_chunked_step_matches_per_parameter_path_bit_for_bit(case):
     ours = build(**case, offload_step="chunked", chunk=1000, compute=300)
     ref = build(**{**case, "overlap": False}, host_mirrors=False)
     fix_reference(ref[1])
-    views = cpu_views(ours[1])
-    for step in range(STEPS):
+    assert_lean(ours[1])
+    step_both(ours, ref, 0)
+    assert_same(ours, ref, "step 0")
+    views = cpu_views(ours[1])  # after the first step: the moments exist
+    assert all(v[2] for v in views), "the chunked step did not run"
+    for step in range(1, STEPS):
         step_both(ours, ref, step)
         assert_same(ours, ref, f"step {step}")
-        assert cpu_views(ours[1]) == views
+        assert cpu_views(ours[1]) == views  # the same host tensors every step
+    assert_lean(ours[1])
     for hdo in hdos(ours[1]):
         assert hdo._chunked is not None, hdo.chunked_step_off
         _, copies, _, _ = hdo._chunked
@@ -281,11 +286,37 @@ def test_chunked_step_matches_per_parameter_path_bit_for_bit(case):
 
 
 def cpu_views(opt):
-    """(data pointer of every CPU parameter, of its gradient), per optimizer."""
-    return [
-        [(c.data_ptr(), c.grad.data_ptr()) for c in hdo.cpu_copys_map_gpu_param]
-        for hdo in hdos(opt)
-    ]
+    """Per optimizer: the data pointer of every CPU parameter and of its gradient (None:
+    a lean mirror's parameters have no host gradient, the chunked step converts into its
+    scratch), of every mirror's staging, and of the chunked step's moments and scratch."""
+    out = []
+    for hdo in hdos(opt):
+        params = []
+        for c in hdo.cpu_copys_map_gpu_param:
+            grad = None if c.grad is None else c.grad.data_ptr()
+            params.append((c.data_ptr(), grad))
+        mirrors = [m.staging.data_ptr() for m in hdo.host_mirrors]
+        steppers = [
+            (s.exp_avg.data_ptr(), s.exp_avg_sq.data_ptr(), s.scratch.data_ptr())
+            for s in (hdo._chunked[0] if hdo._chunked is not None else ())
+            if s.exp_avg is not None
+        ]
+        out.append((params, mirrors, steppers))
+    return out
+
+
+def assert_lean(opt):
+    """The chunked step's mirrors keep no host copy of bf16 gradients, and no CPU
+    parameter of theirs has a gradient (fp32 gradients are read in the staging)."""
+    for hdo in hdos(opt):
+        lean = set()
+        for m, row in zip(hdo.host_mirrors, hdo.host_mirror_stats(), strict=True):
+            if m.grads_dtype != torch.float32:
+                assert m.cpu_grads is None and row["host_grad_bytes"] == 0, row
+                lean.add(m.host_params.untyped_storage().data_ptr())
+        for cpu in hdo.cpu_copys_map_gpu_param:
+            if cpu.untyped_storage().data_ptr() in lean:
+                assert cpu.grad is None
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
