@@ -1,0 +1,235 @@
+"""megatron-core's real DDP and distributed optimizer on the CPU, at 1 and 2 gloo ranks.
+
+``tests/support/cpu_megatron.py`` redirects megatron-core's CUDA devices, streams, events
+and coalesced collectives; everything else is megatron-core's own code and ours: DDP with
+``per_dtype_grad_buffers`` and without (stock), the distributed optimizer in bf16 with an
+fp32 island (a bf16 parameter marked ``keep_in_fp32``) and a natively fp32 parameter, two
+clipped Adam steps. Oracles, per step, on every rank:
+
+- the reduced gradient of every element this rank owns (megatron-core's own range map)
+  equals the data-parallel mean of plain torch autograd gradients, rounded as a 2-term
+  sum rounds (each rank's gradient times 1/2 is exact; their sum rounds once);
+- the step's norm equals the fp64 norm over that mean, within 1e-6;
+- after the steps, parameters equal stock's within bf16 rounding, having moved by far more.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core")
+
+H, F, BATCH, STEPS, CLIP, LR = 32, 48, 8, 2, 1.0, 0.05
+BF16 = torch.bfloat16
+
+
+def initial_params(keep_alpha_bf16: bool) -> dict[str, torch.Tensor]:
+    """bf16 MLP weights, a natively fp32 sink, and alpha: fp32 from bf16 values (exact)."""
+    g = torch.Generator().manual_seed(11)
+    out = {
+        "w1": torch.randn(F, H, generator=g) * 0.3,
+        "b1": torch.randn(F, generator=g) * 0.3,
+        "w2": torch.randn(H, F, generator=g) * 0.3,
+        "alpha": torch.randn(H, generator=g),
+    }
+    out = {n: t.to(BF16) for n, t in out.items()}
+    out["sink"] = torch.randn(H, generator=g)
+    if not keep_alpha_bf16:
+        out["alpha"] = out["alpha"].float()
+    return out
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh per rank and step; not exact in bf16 before the cast."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(BATCH, H, generator=g).to(BF16), torch.randn(BATCH, H, generator=g)
+
+
+def loss_of(p: dict[str, torch.Tensor], x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    h = torch.relu(x @ p["w1"].t() + p["b1"]) @ p["w2"].t()
+    y = h.float() * p["alpha"].float() + p["sink"]
+    return ((y - t) ** 2).sum() / BATCH
+
+
+class MLP(torch.nn.Module):
+    """The model; alpha stays fp32 by the option (a marked bf16 parameter) or, for stock,
+    by being created fp32: the same values and the same math either way."""
+
+    def __init__(self, option: bool):
+        super().__init__()
+        import megatron_ext
+
+        for name, value in initial_params(keep_alpha_bf16=option).items():
+            self.register_parameter(name, torch.nn.Parameter(value.clone()))
+        if option:
+            megatron_ext.mark_keep_in_fp32(self.alpha)
+
+    def forward(self, x, t):
+        return loss_of(dict(self.named_parameters()), x, t)
+
+
+def expected_grads(params: dict[str, torch.Tensor], world: int, step: int) -> dict:
+    """The data-parallel mean megatron-core's DDP should leave, from plain autograd.
+
+    Each rank's gradient (computed here for every rank: the batches are seeded) is scaled by
+    1/world in its own dtype (exact for world 1 and 2), then summed in that dtype; a sum of
+    two terms rounds once, whatever order the collective adds them in.
+    """
+    total: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        leaves = {n: v.detach().clone().requires_grad_() for n, v in params.items()}
+        loss_of(leaves, *batch(r, step)).backward()
+        for n, v in leaves.items():
+            part = v.grad * (1.0 / world)
+            total[n] = part if n not in total else total[n] + part
+    return total
+
+
+def owned_pieces(model) -> list[tuple[str, int, int, torch.Tensor]]:
+    """(name, start, end, reduced gradient) of every element this rank's optimizer owns."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    names = {p: n for n, p in model.module.named_parameters()}
+    out = []
+    for buf in model.all_grad_buffers():
+        (per_bucket,) = DistributedOptimizer._build_gbuf_range_map(buf).values()
+        for bucket in per_bucket:
+            for p, r in bucket["param_map"].items():
+                start = buf.param_index_map[p][0]
+                lo, hi = r["param"].start, r["param"].end
+                piece = buf.grad_data[start + lo : start + hi].clone()
+                out.append((names[p], lo, hi, piece))
+    return out
+
+
+def build(option: bool, overlap: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import megatron_ext
+
+    tcfg = TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=4, bf16=True, params_dtype=BF16
+    )
+    stack = megatron_ext.build_stack(
+        MLP(option),
+        tcfg,
+        per_dtype_grad_buffers=option,
+        ddp=dict(overlap_grad_reduce=overlap, bucket_size=1000 if overlap else None),
+        optimizer=dict(optimizer="adam", lr=LR, clip_grad=CLIP, bf16=True),
+    )
+    return stack.model, stack.optimizer
+
+
+def train(option: bool, overlap: bool, rank: int, world: int, log) -> dict:
+    """STEPS clipped steps; per step the checks' numbers, and the final parameters."""
+    model, opt = build(option, overlap)
+    steps = []
+    for step in range(STEPS):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+        want = expected_grads(params, world, step)
+        log.clear()
+        model(*batch(rank, step)).backward()
+        model.finish_grad_sync()
+        grad_sync = [(e[1], e[4], e[5]) for e in log.of("collective")]
+        mismatched = [
+            (n, lo, hi)
+            for n, lo, hi, got in owned_pieces(model)
+            if not torch.equal(got, want[n].reshape(-1)[lo:hi])
+        ]
+        ref = math.sqrt(sum(g.double().square().sum().item() for g in want.values()))
+        log.clear()
+        ok, norm, _ = opt.step()
+        calls = [e[1:4] for e in log.of("collective")]
+        steps.append(dict(ok=bool(ok), norm=float(norm), ref=ref, mismatched=mismatched,
+                          calls=calls, grad_sync=grad_sync))  # fmt: skip
+    final = {n: p.detach().float().tolist() for n, p in model.module.named_parameters()}
+    return dict(steps=steps, params=final)
+
+
+def worker(rank: int, world: int, init_file: str, out_dir: str, overlap: bool) -> None:
+    warnings.simplefilter("ignore")  # megatron-core's import-time notes about TE and Apex
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    from megatron.core import parallel_state as ps
+
+    from tests.support.cpu_megatron import cpu_megatron
+
+    try:
+        with cpu_megatron() as log:
+            ps.initialize_model_parallel()
+            out = {str(option): train(option, overlap, rank, world, log) for option in (1, 0)}
+    except Exception as e:  # noqa: BLE001 - reported by the test, with the rank
+        out = {"error": f"{type(e).__name__}: {e}"}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,overlap", [(1, False), (2, True)])
+def test_ddp_and_distributed_optimizer_on_cpu(tmp_path, world, overlap):
+    mp.spawn(worker, args=(world, str(tmp_path / "init"), str(tmp_path), overlap), nprocs=world)
+    init = initial_params(keep_alpha_bf16=False)
+    for rank in range(world):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "error" not in got, (rank, got)
+        ours, stock = got["1"], got["0"]
+        for run in (ours, stock):
+            for step in run["steps"]:
+                assert step["ok"]
+                assert step["mismatched"] == [], step["mismatched"]
+                assert step["norm"] == pytest.approx(step["ref"], rel=1e-6)
+                assert step["ref"] > CLIP  # every step clips
+                # megatron-core's gradient reduction: one reduce-scatter per bucket, async
+                # with overlap_grad_reduce, on the current stream (one optimizer instance)
+                kinds = {tuple(c) for c in step["grad_sync"]}
+                assert kinds == {("reduce_scatter_tensor", "default", overlap)}, kinds
+        # the same collectives as stock in each optimizer step after the first (stock's
+        # first also all-reduces, once, whether any rank has grad-norm groups)
+        assert [s["calls"] for s in ours["steps"][1:]] == [s["calls"] for s in stock["steps"][1:]]
+        assert ours["steps"][1]["calls"]  # the norm's all-reduce at least
+        for name, value in ours["params"].items():
+            a, b = torch.tensor(value), torch.tensor(stock["params"][name])
+            assert torch.allclose(a, b, rtol=2**-7, atol=1e-6), name
+            moved = (a - init[name].float()).abs().max().item()
+            assert moved > LR / 2, name  # far beyond the tolerance above
+
+
+def test_the_shim_records_streams_events_and_devices():
+    from tests.support.cpu_megatron import cpu_megatron
+
+    before = torch.cuda.Stream
+    with cpu_megatron() as log:
+        side = torch.cuda.Stream(device=torch.cuda.current_device())
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            event = torch.cuda.Event()
+            event.record()
+            buf = torch.zeros(4, dtype=BF16, device=torch.cuda.current_device())
+        torch.cuda.current_stream().wait_event(event)
+        assert buf.device.type == "cpu" and buf.cuda() is buf
+        assert buf.type() == "torch.cuda.BFloat16Tensor"
+        assert torch.ones(2, device="cuda").device.type == "cpu"
+        assert buf.to(torch.cuda.current_device()).device.type == "cpu"
+    assert torch.cuda.Stream is before
+    assert buf.type() == "torch.BFloat16Tensor"
+    name = side.name
+    assert log.entries == [
+        ("wait_stream", name, "default"),
+        ("record", event.name, name),
+        ("wait_event", "default", event.name),
+        ("cuda_copy", (4,), BF16, "default"),
+    ]
