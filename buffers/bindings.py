@@ -30,6 +30,31 @@ class GradientOutsideBufferError(RuntimeError):
     """A parameter's ``.grad`` no longer lives in its flat buffer, so a norm would miss it."""
 
 
+@dataclass(frozen=True)
+class Problem:
+    """Why one binding broke: ``text`` has ``{names}`` where the parameter's name goes.
+
+    Problems with the same text are one cause, reported once with all their names.
+    """
+
+    fatal: bool  # zero_() cannot repair it
+    text: str
+
+    def render(self, names: list[str]) -> str:
+        """``text`` for ``names`` (display strings), the first named and the rest counted."""
+        shown = names[0]
+        if len(names) > 1:
+            others = names[1:MAX_NAMES]
+            more = len(names) - 1 - len(others)
+            listed = ", ".join(others) + (f" and {more} more" if more else "")
+            shown += f" (and {listed})"
+        return self.text.replace("{names}", shown)
+
+
+MAX_NAMES = 4  # names shown per cause in a report; the rest are counted
+MAX_CAUSES = 3  # causes shown in a report; the rest are counted
+
+
 @dataclass(eq=False)
 class Binding:
     """One trained parameter (held weakly) and the view its ``.grad`` must be."""
@@ -129,9 +154,10 @@ class BindingWatch:
     def __init__(self) -> None:
         self.bindings: dict[int, Binding] = {}
         self.samples: list[Binding] = []  # one per buffer, checked on every call
-        # Parameters watched by a hook for ever getting a gradient: frozen at build (the
-        # reason says so) or stepped by an optimizer without being in these buffers.
-        self.outsiders: dict[int, tuple[weakref.ref, str]] = {}
+        # Parameters watched by a hook for ever getting a gradient: frozen at build,
+        # registered on a tracked module after it, or stepped by an optimizer without
+        # being in these buffers. Each: (weak ref, display name, Problem text).
+        self.outsiders: dict[int, tuple[weakref.ref, str, str]] = {}
         self.broken: dict[int, None] = {}  # ids of parameters to diagnose, in order found
         self.closed = False
         self.hooks: list = []
@@ -166,10 +192,13 @@ class BindingWatch:
             name, pid, weakref.ref(p, freed), p.dtype, p.shape, p.device, view, root, offset
         )
 
-    def watch_outsider(self, p: torch.Tensor, reason: str) -> None:
-        """Report ``reason`` if frozen ``p`` ever receives a gradient."""
+    def watch_outsider(self, p: torch.Tensor, name: str, reason: str) -> None:
+        """Report ``reason`` (with ``{names}`` for ``name``) if ``p`` ever receives a gradient.
+
+        ``p`` may be frozen (a hook fires if it is unfrozen and trained) or trainable.
+        """
         pid = id(p)
-        if pid in self.outsiders:
+        if pid in self.outsiders or pid in self.bindings:
             return
         mine = weakref.ref(self)
 
@@ -178,8 +207,16 @@ class BindingWatch:
             if watch is not None and q.grad is not None:
                 watch.broken[pid] = None
 
-        self.hooks.append(_hook_on_frozen(p, received))
-        self.outsiders[pid] = (weakref.ref(p), reason)
+        if p.requires_grad:
+            self.hooks.append(p.register_post_accumulate_grad_hook(received))
+        else:
+            self.hooks.append(_hook_on_frozen(p, received))
+        self.outsiders[pid] = (weakref.ref(p), name, reason)
+
+    def outsider_message(self, pid: int) -> str:
+        """The report for one watched outsider, on its own."""
+        _, name, reason = self.outsiders[pid]
+        return Problem(True, reason).render([name])
 
     def undo(self, grads: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         """Put back ``(parameter, .grad)`` pairs and remove every hook (a failed build)."""
@@ -221,7 +258,7 @@ class BindingWatch:
             p = b.ref()
             if p is None or p.grad is None or p.grad.data_ptr() != b.ptr or p.dtype != b.dtype:
                 self.broken[pid] = None
-        for pid, (ref, _) in self.outsiders.items():
+        for pid, (ref, _, _) in self.outsiders.items():
             p = ref()
             if p is not None and p.requires_grad and p.grad is not None:
                 self.broken[pid] = None
@@ -232,50 +269,77 @@ class BindingWatch:
 
     # --- reporting ------------------------------------------------------------------------
 
-    def diagnose(self, pid: int, wrapped: Callable[[], set[int]]) -> tuple[bool, str]:
-        """``(fatal, message)`` for a broken binding; fatal ones ``zero_()`` cannot repair.
+    def diagnose(self, pid: int, wrapped: Callable[[], set[int]]) -> tuple[str, Problem]:
+        """``(name, problem)`` for a broken binding, the name as a report shows it.
 
         ``wrapped``: :func:`bucket_view_param_ids`, memoised by the caller (one walk of
         the garbage collector's objects per report, not per parameter).
         """
         if pid in self.outsiders:
-            return True, self.outsiders[pid][1]
+            _, name, reason = self.outsiders[pid]
+            return name, Problem(True, reason)
         b = self.bindings[pid]
+        name = repr(b.name)
         p = b.ref()
         if p is None:
-            return True, (
-                f"parameter {b.name!r} was freed after these FlatGradBuffers were built (was "
+            return name, Problem(
+                True,
+                "parameter {names} was freed after these FlatGradBuffers were built (was "
                 "the model re-created, or its parameters replaced, e.g. by "
                 "load_state_dict(..., assign=True)?), so they no longer hold the gradients "
-                "being trained: build a new FlatGradBuffers over the current parameters"
+                "being trained: build a new FlatGradBuffers over the current parameters",
             )
         was, now = (b.dtype, b.device, b.shape), (p.dtype, p.device, p.shape)
         if was != now:
-            return True, (
-                f"parameter {b.name!r} changed from {_describe(*was)} to {_describe(*now)} "
-                "after these FlatGradBuffers were built (model.half(), .double(), .to(...)?), "
-                "so its gradient is no longer in their buffers: convert the model first, then "
-                "build a new FlatGradBuffers"
+            return name, Problem(
+                True,
+                f"parameter {{names}} changed from {_describe(was, now)} to "
+                f"{_describe(now, was)} after these FlatGradBuffers were built (model.half(), "
+                ".double(), .to(...)?), so its gradient is no longer in their buffers: convert "
+                "the model first, then build a new FlatGradBuffers",
             )
         if b.view.data_ptr() != b.ptr:
-            return True, (
-                f"the storage of parameter {b.name!r}'s gradient was replaced (.grad.data "
+            return name, Problem(
+                True,
+                "the storage of the gradient of parameter {names} was replaced (.grad.data "
                 "assigned, e.g. by module.to(memory_format=...)?): build a new FlatGradBuffers "
-                "after changing the model"
+                "after changing the model",
             )
         grad = p.grad
         if grad is not None and grad._base is not None and id(p) in wrapped():
-            return True, (
-                f"the gradient of {b.name!r} was moved into a bucket of torch "
+            return name, Problem(
+                True,
+                "the gradient of {names} was moved into a bucket of torch "
                 "DistributedDataParallel (gradient_as_bucket_view=True), where these buffers "
-                f"cannot see it: {BUCKET_VIEW_FIX}"
+                f"cannot see it: {BUCKET_VIEW_FIX}",
             )
-        return False, (
-            f"the gradient of {b.name!r} no longer lives in its flat buffer (was .grad set "
-            "to None, e.g. by zero_grad(set_to_none=True), or reassigned?), so the norm would "
+        return name, Problem(
+            False,
+            "the gradient of {names} no longer lives in its flat buffer (was .grad set to "
+            "None, e.g. by zero_grad(set_to_none=True), or reassigned?), so the norm would "
             "miss it. Zero gradients with FlatGradBuffers.zero_() (or "
-            "zero_grad(set_to_none=False)) instead; zero_() also re-binds them."
+            "zero_grad(set_to_none=False)) instead; zero_() also re-binds them",
         )
+
+    def report(self) -> str:
+        """What broke, one line per cause (those ``zero_()`` cannot repair first)."""
+        wrapped = functools.cache(bucket_view_param_ids)
+        causes: dict[Problem, list[str]] = {}
+        built = {pid: i for i, pid in enumerate(self.bindings)}  # names in layout order
+        for pid in sorted(self.broken, key=lambda pid: built.get(pid, len(built))):
+            name, problem = self.diagnose(pid, wrapped)
+            causes.setdefault(problem, []).append(name)
+        ordered = sorted(causes.items(), key=lambda c: not c[0].fatal)
+        lines = [problem.render(names) for problem, names in ordered[:MAX_CAUSES]]
+        if len(ordered) > MAX_CAUSES:
+            rest = sum(len(names) for _, names in ordered[MAX_CAUSES:])
+            causes = len(ordered) - MAX_CAUSES
+            lines.append(
+                f"and {rest} more parameter{'s' * (rest > 1)} with "
+                f"{'another cause' if causes == 1 else f'{causes} other causes'}: "
+                "fgb.check_bindings() reports them once these are fixed"
+            )
+        return "\n".join(lines)
 
     def raise_broken(self) -> None:
         if self.closed:
@@ -284,17 +348,12 @@ class BindingWatch:
                 "their hooks are gone, so a gradient set to None or replaced since would be "
                 "missed without a word: build a new FlatGradBuffers"
             )
-        wrapped = functools.cache(bucket_view_param_ids)
-        found = [self.diagnose(pid, wrapped) for pid in self.broken]
-        found.sort(key=lambda f: not f[0])  # what zero_() cannot fix first
-        messages = list(dict.fromkeys(m for _, m in found))
-        more = f"; and {len(messages) - 3} more like these" if len(messages) > 3 else ""
-        raise GradientOutsideBufferError("; ".join(messages[:3]) + more)
+        raise GradientOutsideBufferError(self.report())
 
     def rebind(self) -> None:
         """Point every broken gradient back at its view, or raise if one cannot be."""
         wrapped = functools.cache(bucket_view_param_ids)
-        if self.closed or any(self.diagnose(pid, wrapped)[0] for pid in self.broken):
+        if self.closed or any(self.diagnose(pid, wrapped)[1].fatal for pid in self.broken):
             self.raise_broken()
         for pid in self.broken:
             b = self.bindings[pid]
@@ -302,5 +361,7 @@ class BindingWatch:
         self.broken.clear()
 
 
-def _describe(dtype: torch.dtype, device: torch.device, shape: torch.Size) -> str:
-    return f"{dtype} {tuple(shape)} on {device}"
+def _describe(this: tuple, other: tuple) -> str:
+    """``(dtype, device, shape)`` as text; the shape only where it differs from ``other``."""
+    dtype, device, shape = this
+    return f"{dtype} {tuple(shape)} on {device}" if shape != other[2] else f"{dtype} on {device}"

@@ -136,17 +136,22 @@ class FlatGradBuffers:
     ) -> None:
         """Bind every trained parameter's ``.grad`` and watch the frozen ones, or nothing."""
         before: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        # In the order given, so that reports list names in the model's order.
+        slots = sorted(
+            ((dt, s) for dt, b in self.plan.buffers.items() for s in b.slots),
+            key=lambda slot: slot[1].index,
+        )
         try:
-            for dt, b in self.plan.buffers.items():
-                for slot in b.slots:
-                    name, p = trained[slot.index]
-                    before.append((p, p.grad))
-                    view = self.buffers[dt][slot.offset : slot.offset + slot.numel]
-                    self._watch.bind(name, p, view.view(slot.shape))
+            for dt, slot in slots:
+                name, p = trained[slot.index]
+                before.append((p, p.grad))
+                view = self.buffers[dt][slot.offset : slot.offset + slot.numel]
+                self._watch.bind(name, p, view.view(slot.shape))
             for name, p in frozen:
                 self._watch.watch_outsider(
                     p,
-                    f"parameter {name!r} was frozen (requires_grad=False) when these "
+                    repr(name),
+                    "parameter {names} was frozen (requires_grad=False) when these "
                     "FlatGradBuffers were built, so it has no place in their buffers; it now "
                     "receives a gradient that their norm would miss: build a new "
                     "FlatGradBuffers after unfreezing it",
@@ -441,7 +446,7 @@ class FlatGradBuffers:
                 )
                 outsider = watch.outsiders.get(id(q))
                 if outsider is not None and outsider[0]() is q and q.requires_grad:
-                    raise ValueError(f"{where}: {outsider[1]}")
+                    raise ValueError(f"{where}: {watch.outsider_message(id(q))}")
                 if q.requires_grad:
                     raise ValueError(
                         f"{where} is not in these FlatGradBuffers, so the norm would not count "
@@ -451,7 +456,8 @@ class FlatGradBuffers:
                 if not q.is_inference():
                     watch.watch_outsider(
                         q,
-                        f"{where} is not in these FlatGradBuffers; it was frozen when checked "
+                        where,
+                        "{names} is not in these FlatGradBuffers; it was frozen when checked "
                         "and now receives a gradient that their norm would miss: build "
                         "FlatGradBuffers over every parameter the optimizer updates",
                     )
