@@ -6,9 +6,9 @@
 # --reps 20 --rounds 2: about 2 minutes each at the default GPT size),
 # megatron_lm (tests/gpu/test_megatron_lm_gpu.py, -k "$MEGATRON_LM_K"; scripts from
 # .megatron-lm/ unless MEGATRON_LM_PATH is set), pytest (the files in PYTEST_ARGS, with
-# -k "$PYTEST_K"), te (transformer-engine into /tmp/site from /root/te/p0..p4 and the carried
-# .te/deps: docs/testing.md; put it before the steps that need TE). NORM_CLIP_ARGS replaces
-# norm_clip's extra args.
+# -k "$PYTEST_K"), te (transformer-engine into /tmp/site: scripts/install_te.sh over the parts
+# stashed so far and the carried .te/deps, see docs/testing.md; put it before the steps that
+# need TE). NORM_CLIP_ARGS replaces norm_clip's extra args.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -36,7 +36,7 @@ for s in "$@"; do
       step pytest ${PYTEST_LIMIT:-300} python3 -m pytest -p no:cacheprovider -q -m "cuda or not cuda" \
       -s -rfE "${targets[@]}" -k "${PYTEST_K:-not nothing}" ;;
     example) step example 120 python3 examples/megatron_quickstart.py ;;
-    te) step te ${TE_LIMIT:-400} bash .te/deps/install.sh ;;
+    te) step te ${TE_LIMIT:-400} bash scripts/install_te.sh ;;
     megatron_lm) MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-$PWD/.megatron-lm} \
       MEGATRON_LM_TIMEOUT=${MEGATRON_LM_TIMEOUT:-150} step megatron_lm ${MEGATRON_LM_LIMIT:-400} \
       python3 -m pytest -p no:cacheprovider -q -m cuda -s -rfE tests/gpu/test_megatron_lm_gpu.py \
