@@ -247,3 +247,51 @@ def test_the_optimizer_matrix_is_whole_in_one_file():
         if line.startswith("| bf16") or line.startswith("| fp16")
     ]
     assert len(rows) == 20
+
+
+def test_the_supported_megatron_core_versions_are_stated_once_as_pyproject_pins_them():
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    from megatron_ext import seam
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    [pins] = [
+        Requirement(d).specifier
+        for d in project["dependencies"]
+        if Requirement(d).name == "megatron-core"
+    ]
+    stated = re.compile(r"megatron-core\s*((?:[<>=!~]=?\s*\d[\w.]*(?:,\s*)?)+)")
+    versions = (ROOT / "docs" / "versions.md").read_text()
+    [found] = stated.findall(versions)
+    assert SpecifierSet(found.replace(" ", "").rstrip(",")) == pins, found
+    # the one source: any other range in the docs is a second one that can drift
+    elsewhere = {
+        str(path.relative_to(ROOT)): stated.findall(path.read_text())
+        for path in DOC_FILES
+        if path.name != "versions.md"
+    }
+    assert {k: v for k, v in elsewhere.items() if v} == {}
+    low, high = (".".join(map(str, v)) for v in seam.SUPPORTED)  # import's own check
+    assert pins == SpecifierSet(f">={low},<={high}")
+
+
+# How a document came to be written, or a path outside the repository
+CIRCUMSTANCES = re.compile(
+    r"\.\./shared|/work/|\b(?:this|next|that|the|first|second|third|fourth|fifth|sixth|"
+    r"seventh|eighth|ninth) (?:GPU )?session\b|\bsession's\b|\bdevice time (?:was|is|ran|left)"
+    r"|\bno device time\b",
+    re.IGNORECASE,
+)
+
+
+@pytest.mark.parametrize("path", ALL_MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_documents_speak_of_the_project_only(path):
+    found = [
+        f"{n}: {m.group(0)!r}"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        for m in CIRCUMSTANCES.finditer(line)
+    ]
+    assert not found, f"{path.relative_to(ROOT)}: " + "; ".join(found)

@@ -25,7 +25,8 @@ if seam.installed_version()[:2] < (0, 19):
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The recipe that ran on the H200 (../shared/megatron-lm/README.md), parsed here on the CPU.
+# The recipe that ran on the H200 (docs/megatron-lm.md, tests/gpu/test_megatron_lm_gpu.py),
+# parsed here on the CPU.
 RECIPE_TEXT = (
     "--mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --num-layers 2 "
     "--hidden-size 256 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
