@@ -247,6 +247,38 @@ def spread_warning(spreads: dict[str, float], rounds: int) -> str | None:
     )
 
 
+def noise_band(median_spread: float) -> float:
+    """The ratio under which two timings of this run cannot be told apart: each side's
+    fastest round may be off by the typical spread, so ``(1 + median spread) ** 2``, at
+    least 1.1."""
+    return max(1.1, (1 + median_spread) ** 2)
+
+
+def noise_line(spreads: dict[str, float], rounds: int, device: torch.device) -> str:
+    """One line saying how noisy this run's timings were, from every measurement's spread.
+
+    Args:
+        spreads: measurement label -> its spread over its rounds (:func:`spread`).
+        rounds: rounds per measurement.
+        device: the CPU's timings are called a shared machine's.
+
+    Returns:
+        The median and worst spread and the ratio below which a comparison is noise
+        (:func:`noise_band`); with one round, that no spread was measured.
+    """
+    where = "CPU timings on a shared machine" if device.type == "cpu" else "GPU timings"
+    if rounds < 2 or not spreads:
+        return f"{where}: one round per measurement, so no spread was measured"
+    median, worst = statistics.median(spreads.values()), max(spreads.values())
+
+    def shown(value: float) -> str:  # a stalled round: its digits say nothing more
+        return f"{value:.0%}" if value < 10 else ">999%"
+
+    band = noise_band(median)
+    verdict = f"treat ratios under {band:.1f}x as noise" if band < 10 else "every ratio is noise"
+    return f"{where}: median spread {shown(median)}, worst {shown(worst)}; {verdict}"
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU)."""
     if device.type == "cuda":
@@ -532,6 +564,14 @@ def write_json(records: Iterable[dict], out_dir: Path, name: str) -> Path:
     path = out_dir / f"{name}.json"
     rows = [{k: _json_safe(v) for k, v in r.items()} for r in records]
     path.write_text(json.dumps(rows, indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def write_text(text: str, out_dir: Path, name: str) -> Path:
+    """Write ``text`` (a full table, say) to ``out_dir/name.txt``; returns the path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.txt"
+    path.write_text(text.rstrip("\n") + "\n")
     return path
 
 

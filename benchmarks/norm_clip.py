@@ -22,8 +22,19 @@ scale alone is at the floor when ``clip`` is at its floor.
 Timing is interleaved: every variant of one inventory is built first; then, in each of
 ``--rounds`` rounds, the floor's copy and every (variant, op) are timed in turn (device time,
 then host time), so a slow moment of the machine lands on all rows alike. A row's time is its
-fastest round's median and its floor comes from the fastest copy of the same run; a line
-warns when a measurement's rounds spread more than 20%.
+fastest round's median and its floor comes from the fastest copy of the same run; one line
+says how far rounds spread (median and worst over every measurement) and under which ratio a
+comparison is noise.
+
+The stock arm (:data:`STOCK`: ``megatron``) is built and run in a process of its own
+(``benchmarks/isolation.py``), driven from here in the same interleaved rounds: megatron-core's
+norm with transformer-engine can make an illegal memory access, which leaves a process's CUDA
+context unusable. A stock cell that raises is a ``failed`` row, one whose process dies a
+``crashed`` row, and the run goes on (a fresh process for the next inventory after either);
+a norm further than :data:`WRONG_NORM_REL_ERR` from fp64 is a ``wrong norm`` row.
+
+Prints a summary (``--table summary``, the default: per inventory and op, ours and each
+peer's time over ours, under 100 columns) or every row (``--table full``).
 
 Writes DIR/norm_clip.json, one record per (inventory, variant, op), fields:
 ``inventory, series ("model" | "scaling"), variant, path, op, device, num_params, bytes,
@@ -38,14 +49,19 @@ copy round), floor_s, floor_spread (the copy's spread over its rounds), ratio (t
 floor_s), host_syncs (null on the CPU), norm, norm_ref (fp64), rel_err, per_param_rel_err
 (``per_param`` rows: the largest relative error of one parameter's norm against its fp64
 norm), note, error, error_at, host_profile (with ``--host-profile N``: the functions with the
-most own host time per call over N profiled calls, also printed)``; and DIR/norm_clip.png.
+most own host time per call over N profiled calls, also printed), isolated (the row ran in
+a process of its own), status (``ok``, ``wrong norm (rel err X)``, ``failed (first line of
+the error)``, ``crashed (how the process died: first error line it printed)``)``;
+DIR/norm_clip.png; and DIR/norm_clip.txt (the noise line and the full table with its legend).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
+import math
 import statistics
 import sys
 import tempfile
@@ -55,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 import torch
 
-from benchmarks import common, inventories
+from benchmarks import common, inventories, isolation
 from benchmarks.inventories import Inventory
 from benchmarks.norm_clip_variants import CUDA_ONLY, VARIANTS, NamedParams, Prepared
 
@@ -77,8 +93,14 @@ RECORD_FIELDS = (
     "host_time_p10_s", "host_time_p90_s", "host_time_burst_s",
     "bandwidth_Bps", "floor_s", "floor_spread", "ratio", "host_syncs",
     "norm", "norm_ref", "rel_err", "per_param_rel_err", "note", "error", "error_at",
-    "host_profile",
+    "host_profile", "isolated", "status",
 )  # fmt: skip
+# The stock arms: run in a child process of their own (benchmarks/isolation.py), so that a
+# crash there (megatron-core's norm with transformer-engine on a mixed list) is a row.
+STOCK = frozenset({"megatron"})
+# A norm further than this from the fp64 reference is wrong: above bf16's rounding (2**-8,
+# what per-tensor bf16 norms are off by), far below a misread list (TE's 0.2165 for 0.25).
+WRONG_NORM_REL_ERR = 1e-2
 SEED = 1234
 # Gradient bytes per model inventory with --scale auto, and of the scaling series.
 AUTO_BYTES = {"cpu": 8 * 2**20, "cuda": 6 * 2**30}
@@ -128,6 +150,14 @@ def parse_args(argv: list[str] | None):
         metavar="CALLS",
         help="also profile CALLS calls of every op with cProfile and record the functions "
         "with the most own host time per call (field host_profile; default: off)",
+    )
+    ap.add_argument(
+        "--table",
+        choices=("summary", "full"),
+        default="summary",
+        help="what to print: summary (per inventory and op, each peer's time over ours, "
+        "under 100 columns) or full (every row and column); the full table is written to "
+        "DIR/norm_clip.txt either way (default: %(default)s)",
     )
     args = ap.parse_args(argv)
     if args.host_profile < 0:
@@ -246,24 +276,142 @@ def time_rounds(
     """
     per = common.per_round(reps, rounds)
 
-    def timed(call, burst: bool):
-        def measure(r: int) -> dict:
-            return {
-                "time": common.device_time(call, device, warmup if r == 0 else 0, per),
-                "host": common.host_times(call, device, per),
-                "burst": common.burst_host_times(call, device, bursts=BURSTS_PER_ROUND)
-                if burst
-                else None,
-            }
-
-        return measure
+    def timed(label: str, op: str):
+        prep = preps[label]
+        if isinstance(prep, StockArm):  # measured in its own process, in this round's turn
+            return lambda r: prep.measure(op, warmup if r == 0 else 0, per)
+        call = _call(prep, op)
+        burst = prep.fields.get("variant", label) == "flat"  # ours: a few launches per call
+        return lambda r: measure_call(call, device, warmup if r == 0 else 0, per, burst)
 
     measures = {COPY: lambda r: floor.measure(warmup if r == 0 else 0, per)}
     for label, op in keys:
-        prep = preps[label]
-        burst = prep.fields.get("variant", label) == "flat"  # ours: a few launches per call
-        measures[(label, op)] = timed(_call(prep, op), burst)
+        measures[(label, op)] = timed(label, op)
     return common.interleave(measures, rounds)
+
+
+def measure_call(call, device: torch.device, warmup: int, per: int, burst: bool) -> dict:
+    """One round of one row: its device time, host times and (``burst``) burst host times."""
+    return {
+        "time": common.device_time(call, device, warmup, per),
+        "host": common.host_times(call, device, per),
+        "burst": common.burst_host_times(call, device, bursts=BURSTS_PER_ROUND) if burst else None,
+    }
+
+
+# --- the stock arm in its own process -------------------------------------------------------
+
+CHILD_MODULE = "benchmarks.norm_clip"  # how the child imports this file, whatever it is here
+
+
+class StockArm:
+    """A variant built and run in a child process (:class:`isolation.Child`); the parent
+    holds nothing of it but the fields, and says what to run when.
+
+    Raises (every method): :class:`isolation.ChildFailed` when the call raised there,
+    :class:`isolation.ChildCrashed` when the child died.
+    """
+
+    def __init__(self, child: isolation.Child, inv: Inventory, label: str, device) -> None:
+        self.child = child
+        self.fields = child.call(f"{CHILD_MODULE}:_child_build", inv, label, str(device))
+
+    def check(self, op: str) -> dict:
+        return self.child.call(f"{CHILD_MODULE}:_child_check", op)
+
+    def measure(self, op: str, warmup: int, per: int) -> dict:
+        return self.child.call(f"{CHILD_MODULE}:_child_measure", op, warmup, per)
+
+    def syncs(self, op: str) -> int | None:
+        return self.child.call(f"{CHILD_MODULE}:_child_syncs", op)
+
+    def profile(self, op: str, calls: int) -> list[str]:
+        return self.child.call(f"{CHILD_MODULE}:_child_profile", op, calls)
+
+    def release(self) -> None:
+        with contextlib.suppress(isolation.ChildFailed, isolation.ChildCrashed):
+            self.child.call(f"{CHILD_MODULE}:_child_release")
+
+
+def _with_fault(prep: Prepared, kind: str | None) -> Prepared:
+    """``prep`` with the fault ``isolation.FAULT_ENV`` injects into its calls, if any."""
+    if kind is None:
+        return prep
+
+    def wrap(fn):
+        if fn is None:
+            return None
+
+        def faulty(*args):
+            isolation.fire(kind)  # abort or raise; a wrong norm is returned below
+            return fn(*args) * isolation.WRONG_NORM_FACTOR
+
+        return faulty
+
+    return dataclasses.replace(
+        prep, norm=wrap(prep.norm), clip=wrap(prep.clip), per_param=wrap(prep.per_param)
+    )
+
+
+def _child_build(state: dict, inv: Inventory, label: str, device_name: str) -> dict:
+    device = torch.device(device_name)
+    if device.type == "cuda" and "group" not in state:
+        # megatron's norm all-reduces over the default group: this process needs its own
+        torch.cuda.set_device(device)
+        state["group"] = contextlib.ExitStack()
+        store = Path(state["group"].enter_context(tempfile.TemporaryDirectory())) / "store"
+        state["group"].enter_context(common.single_rank_process_group(f"file://{store}"))
+    prep = VARIANTS[label](make_params(inv, device), device)
+    state["prep"], state["device"] = _with_fault(prep, isolation.injected_fault(inv.name)), device
+    return prep.fields
+
+
+def _child_check(state: dict, op: str) -> dict:
+    return check(state["prep"], op, state["device"])
+
+
+def _child_measure(state: dict, op: str, warmup: int, per: int) -> dict:
+    return measure_call(_call(state["prep"], op), state["device"], warmup, per, burst=False)
+
+
+def _child_syncs(state: dict, op: str) -> int | None:
+    return common.count_host_syncs(_call(state["prep"], op), state["device"])
+
+
+def _child_profile(state: dict, op: str, calls: int) -> list[str]:
+    return common.host_profile(_call(state["prep"], op), state["device"], calls)
+
+
+def _child_release(state: dict) -> None:
+    state.pop("prep", None)
+    release(state["device"])
+
+
+def failure_fields(exc: BaseException) -> dict:
+    """A failed cell's ``error``, ``error_at`` and ``status``: ``crashed (...)`` when its
+    process died, else ``failed (...)`` with the exception's first line."""
+    if isinstance(exc, isolation.ChildCrashed):
+        return {
+            "error": f"crashed: {exc}",
+            "error_at": "its own process",
+            "status": f"crashed ({exc})",
+        }
+    fields = exc.fields if isinstance(exc, isolation.ChildFailed) else common.error_fields(exc)
+    return fields | {"status": f"failed ({fields['error'].splitlines()[0]})"}
+
+
+def norm_status(rec: dict) -> str:
+    """``ok``, ``wrong norm (rel err X)`` past :data:`WRONG_NORM_REL_ERR` (or not finite),
+    the failure's status, or ``not checked``."""
+    if rec.get("status"):
+        return rec["status"]
+    if rec["error"] is not None:
+        return f"failed ({rec['error'].splitlines()[0]})"
+    errs = [rec[k] for k in ("rel_err", "per_param_rel_err") if rec.get(k) is not None]
+    if not errs:
+        return "not checked"
+    worst = max(e if math.isfinite(e) else math.inf for e in errs)
+    return f"wrong norm (rel err {worst:.1e})" if worst > WRONG_NORM_REL_ERR else "ok"
 
 
 def _host_fields(per_round: list[list[float]]) -> dict:
@@ -296,13 +444,15 @@ def run_inventory(
     reps: int,
     rounds: int,
     profile_calls: int = 0,
+    stock_child: isolation.Child | None = None,
 ) -> list[dict]:
     """Records of every variant on one inventory, one per op; failures become error records.
 
     Every variant is built first (so all can be timed in the same rounds), each checked
     for accuracy, then all timed in interleaved rounds with the floor's copy; host syncs
-    are counted last.
+    are counted last. Every record gets a ``status`` (:func:`norm_status`).
     ``profile_calls``: also cProfile that many calls of each measured op (host_profile).
+    ``stock_child``: where the :data:`STOCK` variants run (None: in this process).
     """
     base = {
         "inventory": inv.name,
@@ -316,26 +466,31 @@ def run_inventory(
     preps: dict[str, Prepared] = {}
     records: dict[tuple[str, str], dict] = {}
     for label in labels:
+        isolated = stock_child is not None and label in STOCK
         try:
-            preps[label] = VARIANTS[label](make_params(inv, device), device)
+            if isolated:
+                preps[label] = StockArm(stock_child, inv, label, device)
+            else:
+                preps[label] = VARIANTS[label](make_params(inv, device), device)
             fields = preps[label].fields
         except Exception as exc:  # a variant that cannot even be set up still gets its rows
-            fields = common.error_fields(exc)
+            fields = failure_fields(exc)
         for op in ops:
             records[(label, op)] = (
                 dict.fromkeys(RECORD_FIELDS)
                 | base
-                | {"variant": label, "op": op, "max_norm": OPS[op][0]}
+                | {"variant": label, "op": op, "max_norm": OPS[op][0], "isolated": isolated}
                 | fields
             )
     checked = []
     for (label, op), rec in records.items():
         if label in preps:
+            prep = preps[label]
             try:
-                rec |= check(preps[label], op, device)
+                rec |= prep.check(op) if isinstance(prep, StockArm) else check(prep, op, device)
                 checked.append((label, op))
             except Exception as exc:  # e.g. megatron's clip asserting fp32 gradients
-                rec |= common.error_fields(exc)
+                rec |= failure_fields(exc)
     floor = common.CopyFloor(inv.nbytes, device)
     results, errors = time_rounds(preps, checked, floor, device, warmup, reps, rounds)
     copy = results.get(COPY) or [float("nan")]
@@ -345,21 +500,37 @@ def run_inventory(
         rec["floor_s"] = OPS[key[1]][1] * inv.nbytes / bandwidth
         rec["floor_spread"] = common.spread(copy)
         if key in errors:
-            rec |= common.error_fields(errors[key])
+            rec |= failure_fields(errors[key])
         elif key in results:
             rec |= _timed_fields(results[key])
             rec["ratio"] = rec["time_s"] / rec["floor_s"]
+            prep, op = preps[key[0]], key[1]
             # after the rounds, as in training: a first call or a graph capture syncs
             try:
-                rec["host_syncs"] = common.count_host_syncs(_call(preps[key[0]], key[1]), device)
-            except Exception as exc:
-                rec |= common.error_fields(exc)
-            if profile_calls:
-                rec["host_profile"] = common.host_profile(
-                    _call(preps[key[0]], key[1]), device, profile_calls
+                rec["host_syncs"] = (
+                    prep.syncs(op)
+                    if isinstance(prep, StockArm)
+                    else common.count_host_syncs(_call(prep, op), device)
                 )
-                print(f"host profile, {inv.name} {row_label(rec)} {key[1]}:", file=sys.stderr)
+            except Exception as exc:
+                rec |= failure_fields(exc)
+            if profile_calls and rec["error"] is None:
+                try:
+                    rec["host_profile"] = (
+                        prep.profile(op, profile_calls)
+                        if isinstance(prep, StockArm)
+                        else common.host_profile(_call(prep, op), device, profile_calls)
+                    )
+                except Exception as exc:
+                    rec |= failure_fields(exc)
+                    continue
+                print(f"host profile, {inv.name} {row_label(rec)} {op}:", file=sys.stderr)
                 print("\n".join(rec["host_profile"]), file=sys.stderr)
+    for prep in preps.values():
+        if isinstance(prep, StockArm):
+            prep.release()
+    for rec in records.values():
+        rec["status"] = norm_status(rec)
     return list(records.values())
 
 
@@ -504,7 +675,13 @@ TABLE = (
         lambda v: f"{v:.1e}",
         "per_param rows: the largest |norm - reference| / reference over the parameters",
     ),
-    common.Column("error", "error", lambda v: v.splitlines()[0][:48]),
+    common.Column(
+        "status",
+        "status",
+        lambda v: v[:60],
+        f"ok; wrong norm (rel err past {WRONG_NORM_REL_ERR:.0e}); failed (the exception); crashed "
+        "(its process died: the stock rows run in a process of their own)",
+    ),
 )
 
 
@@ -517,10 +694,23 @@ def run(args, device: torch.device) -> list[dict]:
     labels, ops = _split(args.variants), _split(args.ops)
     records: list[dict] = []
     bar = common.progress(invs, "norm_clip")
-    for inv in bar:
-        bar.set_postfix_str(inv.name)
-        records += run_inventory(inv, labels, ops, device, warmup, reps, rounds, args.host_profile)
-        release(device)
+    child = None  # the stock arms' process: a fresh one after any failure there
+    try:
+        for inv in bar:
+            bar.set_postfix_str(inv.name)
+            if STOCK & set(labels) and (child is None or not child.usable):
+                if child is not None:
+                    child.close()
+                child = isolation.Child("norm_clip-stock")
+            records += run_inventory(
+                inv, labels, ops, device, warmup, reps, rounds, args.host_profile, child
+            )
+            if child is not None and child.crash is not None:
+                isolation.crash_report(child, inv.name)
+            release(device)
+    finally:
+        if child is not None:
+            child.close()
     return records
 
 
@@ -543,8 +733,96 @@ def _table_fields(rec: dict) -> dict:
     return out
 
 
+# Summary column headers for row labels too wide for a 100-column summary.
+SHORT_LABELS = {
+    "megatron/cpu_reimpl": "megatron*",
+    "upstream_fix": "upstream",
+    "flat/megatron_spans": "flat/spans",
+}
+OURS = "flat"
+SUMMARY_WIDTH = 100
+MAX_NOTES = 4
+
+
+def _peer_cell(peer: dict | None, ours: dict | None) -> str:
+    if peer is None:
+        return "-"
+    status = peer["status"] or ""
+    for prefix in ("crashed", "failed", "wrong"):
+        if status.startswith(prefix):
+            return prefix
+    if ours is None or not ours["time_s"] or not peer["time_s"]:
+        return "-"
+    return _times(peer["time_s"] / ours["time_s"])
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.2f}x" if ratio < 0.1 else f"{ratio:.1f}x"
+
+
+def summary(records: list[dict], noise: str, full_path: Path) -> str:
+    """The compact table: per inventory and op, ours (ms, over its floor, its norm's error)
+    and each peer's time over ours, a median row, and one line per kind of failure.
+
+    Returns:
+        Lines of at most :data:`SUMMARY_WIDTH` characters.
+    """
+    by = {(r["inventory"], r["op"], row_label(r)): r for r in records}
+    peers = [lb for lb in dict.fromkeys(row_label(r) for r in records) if lb != OURS]
+    cells = {(inv, op): None for inv, op, _ in by}
+    rows, ratios = [], {p: [] for p in peers}
+    for inv, op in cells:
+        ours = by.get((inv, op, OURS))
+        ok = ours is not None and ours["status"] == "ok" and ours["time_s"]
+        row = {
+            "inventory": inv,
+            "op": op,
+            "ours": common.show_ms(ours["time_s"]) if ok else (ours or {}).get("status") or "-",
+            "floor": f"{ours['ratio']:.1f}" if ok and ours["ratio"] else "-",
+            "err": f"{ours['rel_err']:.0e}" if ok and ours["rel_err"] is not None else "-",
+        }
+        for p in peers:
+            row[p] = _peer_cell(by.get((inv, op, p)), ours if ok else None)
+            if row[p].endswith("x"):
+                ratios[p].append(float(row[p][:-1]))
+        rows.append(row)
+    rows.append(
+        {"inventory": "median", "op": "all"}
+        | {p: _times(statistics.median(v)) if v else "-" for p, v in ratios.items()}
+    )
+    columns = [
+        common.Column("inventory", "inventory"),
+        common.Column("op", "op"),
+        common.Column("ours ms", "ours", lambda v: v[:9]),
+        *(common.Column(SHORT_LABELS.get(p, p[:10]), p) for p in peers),
+        common.Column("ours/floor", "floor"),
+        common.Column("ours err", "err"),
+    ]
+    lines = [
+        noise,
+        "peer columns: the peer's time over ours, fastest rounds (above 1: ours faster)",
+        *common.format_table(rows, columns).splitlines(),
+    ]
+    if "megatron/cpu_reimpl" in peers:
+        lines.append("megatron*: megatron-core's per-tensor algorithm, re-implemented for the CPU")
+    failures: dict[tuple[str, str], list[str]] = {}
+    for r in records:
+        if r["status"] != "ok":
+            failures.setdefault((row_label(r), r["status"]), []).append(r["inventory"])
+    for (label, status), invs in list(failures.items())[:MAX_NOTES]:
+        where = ", ".join(dict.fromkeys(invs))
+        lines.append(f"{label} at {where}: {status}")
+    if len(failures) > MAX_NOTES:
+        lines.append(f"and {len(failures) - MAX_NOTES} more kinds of failure (see the full table)")
+    lines.append(f"full table: {full_path}")
+    return "\n".join(
+        ln if len(ln) <= SUMMARY_WIDTH else ln[: SUMMARY_WIDTH - 3] + "..." for ln in lines
+    )
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    """Run the benchmark, write JSON and PNG, print the table; returns the records."""
+    """Run the benchmark, write JSON, PNG and the full table, print the summary (or the
+    full table with ``--table full``); returns the records."""
     args = parse_args(argv)
     device = common.resolve_device(args.device)
     title = common.run_title(device, megatron=True)
@@ -560,11 +838,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             records = run(args, device)
     json_path = common.write_json(records, args.out, "norm_clip")
     png_path = plot(records, args.out, title)
-    print(f"wrote {json_path} and {png_path}", file=sys.stderr)
-    warning = common.spread_warning(spreads(records), common.rounds(args, device))
-    if warning:
-        print(warning)
-    print(common.format_table([r | _table_fields(r) for r in records], TABLE))
+    noise = common.noise_line(spreads(records), common.rounds(args, device), device)
+    full = common.format_table([r | _table_fields(r) for r in records], TABLE)
+    txt_path = common.write_text(f"{title}\n{noise}\n\n{full}", args.out, "norm_clip")
+    print(f"wrote {json_path}, {png_path} and {txt_path}", file=sys.stderr)
+    if args.table == "full":
+        print(noise)
+        print(full)
+    else:
+        print(summary(records, noise, txt_path))
     return records
 
 

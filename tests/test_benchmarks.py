@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import statistics
 import sys
@@ -49,6 +51,13 @@ def test_norm_clip_records_have_documented_fields(norm_clip_run):
     invs = {"dense_gpt", "deepseek_moe", "scaling_80", "scaling_200"}
     variants = {"megatron", "upstream_fix", "torch", "flat"}
     assert rows == {(i, v, o) for i in invs for v in variants for o in script.OPS}
+
+
+def test_norm_clip_stock_rows_run_in_their_own_process(norm_clip_run):
+    script, _, records = norm_clip_run
+    for r in records:
+        assert r["isolated"] is (r["variant"] in script.STOCK), r
+        assert r["status"] == "ok", r
 
 
 def test_norm_clip_flat_matches_fp64_reference(norm_clip_run):
@@ -239,13 +248,32 @@ def test_norm_clip_warns_when_rounds_spread_and_ratios_use_this_runs_fastest_cop
     assert rec["ratio"] == pytest.approx(rec["time_s"] / rec["floor_s"])
     assert rec["time_s"] == min(rec["time_rounds_s"]) and len(rec["time_rounds_s"]) == 3
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("warning: ") and "dense_gpt copy (floor), 300%" in out[0]
+    # one line on noise, from this run's two measurements: the row and the copy (300%)
+    spreads = {"dense_gpt flat norm": rec["time_spread"], "dense_gpt copy (floor)": 3.0}
+    assert out[0] == common.noise_line(spreads, 3, torch.device("cpu"))
+
+
+def test_noise_line_gives_the_median_and_worst_spread_and_the_ratio_that_is_noise():
+    common = load_script("common")
+    cpu = torch.device("cpu")
+    line = common.noise_line({"a": 0.1, "b": 0.3, "c": 3.0}, 5, cpu)
+    # median 30%: each side of a ratio may be 1.3x off, so ratios under 1.3**2 = 1.69x
+    assert line == (
+        "CPU timings on a shared machine: median spread 30%, worst 300%; "
+        "treat ratios under 1.7x as noise"
+    )
+    assert "worst >999%" in common.noise_line({"a": 0.01, "b": 309.82}, 5, cpu)
+    assert common.noise_line({"a": 0.01, "b": 0.02}, 5, cpu).endswith("under 1.1x as noise")
+    assert "no spread was measured" in common.noise_line({"a": 0.0}, 1, cpu)
+    worst = common.noise_line({"a": 306.98, "b": 400.0}, 5, cpu)  # still one short line
+    assert worst.endswith("median spread >999%, worst >999%; every ratio is noise")
+    assert len(worst) <= 100
 
 
 # --- every script: --help, where it runs from, where it writes, what it says --------------
 
 SCRIPTS = ("norm_clip", "memory", "offload", "offload_step", "clip_step", "train_step")
-HELPERS = ("common", "inventories", "norm_clip_variants", "memory_ddp")
+HELPERS = ("common", "inventories", "norm_clip_variants", "memory_ddp", "isolation")
 NOTICES = ("Transformer Engine and Apex", "absl.logging", "CUDA_HOME")
 
 
@@ -565,3 +593,152 @@ def test_train_step_times_the_offload_optimizers_own_step(monkeypatch):
     assert calls == [None, None] and len(seconds) == 2 and all(s >= 0 for s in seconds)
     plain = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=object())])
     assert script._time_offload_steps(plain) is None
+
+
+# --- stock arms in their own processes: a crash or a wrong norm is a row ---------------------
+
+# Each cell's fault: the stock arm raises at dense_gpt, aborts (as a native crash would) at
+# deepseek_moe, returns 1.5 times the norm at scaling_80 and is right at scaling_200.
+FAULTS = "raise:dense_gpt,abort:deepseek_moe,wrong_norm:scaling_80"
+
+
+@pytest.fixture(scope="module")
+def faulty_stock_run(tmp_path_factory):
+    script = load_script("norm_clip")
+    out = tmp_path_factory.mktemp("faulty")
+    argv = ["--device", "cpu", "--out", str(out), "--scale", "0.002", "--warmup", "0"]
+    argv += ["--reps", "1", "--rounds", "1", "--ops", "norm,clip", "--variants", "megatron,flat"]
+    argv += ["--scaling-counts", "80,200", "--scaling-bytes", "32768"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BENCHMARKS_STOCK_FAULT", FAULTS)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            script.main(argv)
+    records = read_outputs(out, "norm_clip")
+    by = {(r["inventory"], r["variant"], r["op"]): r for r in records}
+    return by, printed.getvalue(), (out / "norm_clip.txt").read_text()
+
+
+def test_a_crashing_stock_arm_is_a_row_and_the_run_goes_on(faulty_stock_run):
+    by, printed, full = faulty_stock_run
+    assert len(by) == 4 * 2 * 2  # every inventory, variant and op has its row
+    for op in ("norm", "clip"):
+        crashed = by[("deepseek_moe", "megatron", op)]
+        assert crashed["status"] == "crashed (killed by SIGABRT)", crashed
+        assert crashed["isolated"] is True and crashed["time_s"] is None
+        failed = by[("dense_gpt", "megatron", op)]
+        assert failed["status"] == "failed (RuntimeError: fault injected by BENCHMARKS_STOCK_FAULT)"
+        # a fresh process after each: the last inventory's stock rows are measured and right
+        assert by[("scaling_200", "megatron", op)]["status"] == "ok"
+        assert by[("scaling_200", "megatron", op)]["time_s"] > 0
+        for inv in ("dense_gpt", "deepseek_moe", "scaling_80", "scaling_200"):
+            ours = by[(inv, "flat", op)]
+            assert ours["status"] == "ok" and ours["isolated"] is False and ours["time_s"] > 0
+    assert "megatron/cpu_reimpl at deepseek_moe: crashed (killed by SIGABRT)" in printed
+    summary_row = next(ln for ln in printed.splitlines() if ln.lstrip().startswith("deepseek_moe"))
+    assert summary_row.split()[3] == "crashed"
+    assert "crashed (killed by SIGABRT)" in full and "failed (RuntimeError: fault injected" in full
+
+
+def test_a_wrong_stock_norm_is_reported_as_such(faulty_stock_run):
+    by, printed, _ = faulty_stock_run
+    for op in ("norm", "clip"):
+        wrong, ours = by[("scaling_80", "megatron", op)], by[("scaling_80", "flat", op)]
+        # ours agrees with the fp64 reference (checked against fp64 above); stock is 1.5x it
+        assert ours["norm"] == pytest.approx(ours["norm_ref"], rel=1e-6)
+        assert wrong["norm"] == pytest.approx(1.5 * ours["norm"], rel=1e-6)
+        assert wrong["status"] == "wrong norm (rel err 5.0e-01)"
+    assert "megatron/cpu_reimpl at scaling_80: wrong norm (rel err 5.0e-01)" in printed
+
+
+def test_the_stock_process_keeps_state_and_reports_errors_and_crashes():
+    from benchmarks import isolation  # by its name: the child imports what it runs by name
+
+    with isolation.Child("test-child", timeout_s=120) as child:
+        pid = child.call("tests.support.isolated_calls:remember", "k", [1, 2.5])
+        assert pid != __import__("os").getpid()
+        assert child.call("tests.support.isolated_calls:recall", "k") == [1, 2.5]
+        with pytest.raises(isolation.ChildFailed) as failed:
+            child.call("tests.support.isolated_calls:boom")
+        assert failed.value.fields["error"] == "ValueError: boom in the child"
+        assert "isolated_calls.py" in failed.value.fields["error_at"]
+        assert not child.usable  # a CUDA error would have poisoned it: callers replace it
+        assert child.call("tests.support.isolated_calls:recall", "k") == [1, 2.5]
+        with pytest.raises(isolation.ChildCrashed) as crashed:
+            child.call("tests.support.isolated_calls:abort_loudly")
+        want = "killed by SIGABRT: terminate called: CUDA error: an illegal memory access"
+        assert str(crashed.value).startswith(want)
+        with pytest.raises(isolation.ChildCrashed):  # dead: says so at once, no hang
+            child.call("tests.support.isolated_calls:recall", "k")
+
+
+def test_fault_injection_names_a_kind_it_knows(monkeypatch):
+    isolation = load_script("isolation")
+    monkeypatch.setenv("BENCHMARKS_STOCK_FAULT", "abort:a, wrong_norm")
+    assert isolation.injected_fault("a") == "abort"
+    assert isolation.injected_fault("b") == "wrong_norm"  # no tag: every cell
+    monkeypatch.setenv("BENCHMARKS_STOCK_FAULT", "explode:a")
+    with pytest.raises(ValueError, match="unknown fault 'explode'"):
+        isolation.injected_fault("a")
+    monkeypatch.delenv("BENCHMARKS_STOCK_FAULT")
+    assert isolation.injected_fault("a") is None
+
+
+# --- the printed summary: 100 columns, about 30 rows ------------------------------------------
+
+DEFAULT_INVENTORIES = ("dense_gpt", "deepseek_moe") + tuple(
+    f"scaling_{n}" for n in (80, 300, 1000, 3000, 10000)
+)
+
+
+def _fake_records(labels: list[tuple[str, str | None]], ops) -> list[dict]:
+    """Records of every default inventory, variant and op, with random times; the stock
+    arm crashed at deepseek_moe with a long native error line."""
+    gen = torch.Generator().manual_seed(7)
+    records = []
+    for inv in DEFAULT_INVENTORIES:
+        for variant, path in labels:
+            for op in ops:
+                t = float(torch.rand((), generator=gen)) * 1e-2 + 1e-5
+                rec = {"inventory": inv, "variant": variant, "path": path, "op": op}
+                rec |= {"time_s": t, "ratio": t / 1e-4, "rel_err": 3e-8, "status": "ok"}
+                if variant == "megatron" and inv == "deepseek_moe":
+                    msg = "killed by SIGABRT: terminate called: " + "CUDA error: illegal " * 9
+                    rec |= {"time_s": None, "ratio": None, "status": f"crashed ({msg})"}
+                records.append(rec)
+    return records
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        [("megatron", "cpu_reimpl"), ("upstream_fix", None), ("torch", None), ("flat", None)],
+        [("megatron", None), ("upstream_fix", None), ("torch", None), ("flat", None)]
+        + [("flat", "megatron_spans")],  # CUDA's rows
+    ],
+)
+def test_norm_clip_summary_fits_100_columns_and_about_30_rows(labels, tmp_path):
+    script = load_script("norm_clip")
+    records = _fake_records(labels, list(script.OPS))
+    noise = script.common.noise_line({"a": 0.4, "b": 309.82}, 5, torch.device("cpu"))
+    text = script.summary(records, noise, tmp_path / "norm_clip.txt")
+    lines = text.splitlines()
+    assert max(len(ln) for ln in lines) <= 100, max(lines, key=len)
+    assert len(lines) <= 40
+    assert lines[0] == noise
+    rows = [ln for ln in lines if ln.split() and ln.split()[0] in DEFAULT_INVENTORIES]
+    assert len(rows) == len(DEFAULT_INVENTORIES) * len(script.OPS)  # 28: one per cell
+    # a peer's cell is its time over ours, to one decimal; the crashed cell says so
+    by = {(r["inventory"], r["op"], r["variant"], r["path"]): r for r in records}
+    ours = by[("dense_gpt", "clip", "flat", None)]["time_s"]
+    torch_time = by[("dense_gpt", "clip", "torch", None)]["time_s"]
+    row = next(ln.split() for ln in rows if ln.split()[:2] == ["dense_gpt", "clip"])
+    header = next(ln.split() for ln in lines if ln.split()[:2] == ["inventory", "op"])
+    want = torch_time / ours
+    shown = f"{want:.2f}x" if want < 0.1 else f"{want:.1f}x"
+    assert row[header.index("torch") - 1] == shown  # "ours ms" is 2 words, the cells 1
+    moe = next(ln.split() for ln in rows if ln.split()[:2] == ["deepseek_moe", "norm"])
+    assert moe[3] == "crashed"
+    assert any(ln.startswith("megatron") and "deepseek_moe: crashed (killed by SIGABRT" in ln
+               for ln in lines)  # fmt: skip
+    assert lines[-1] == f"full table: {tmp_path / 'norm_clip.txt'}"
