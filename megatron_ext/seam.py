@@ -327,6 +327,24 @@ ENTRIES: tuple[Entry, ...] = (
           "0.19.2 syncs only for fully_sharded_model_space, and its sync tells the GPU "
           "and CPU sub-optimizers apart by class (both torch Adam without TE), moving GPU "
           "moments to the CPU: the next GPU step fails", params=()),
+    Entry("hdo group sync",
+          f"{_HDO}:HybridDeviceOptimizer._sync_hdo_param_groups_to_sub_optimizers", "override",
+          "copies every param-group key but 'step' into the sub-optimizers, over group pairs "
+          "worked out once", "0.19.2 copies 'step' too: after a load, a GPU optimizer that "
+          "counts steps per group (TE FusedAdam, offload fraction < 1) is reset to the saved "
+          "step before every step, its bias correction stuck there", params=()),
+    Entry("hdo state sync",
+          f"{_HDO}:HybridDeviceOptimizer._sync_sub_optimizers_state_to_hdo", "override",
+          "megatron-core's, then a per-group 'step' a sub-optimizer advanced into its group",
+          "a checkpoint then saves the GPU optimizer's step (at fraction 0 megatron-core "
+          "finds none to save and a resume restarts TE FusedAdam's bias correction)",
+          params=()),
+    Entry("hdo state placement",
+          f"{_HDO}:HybridDeviceOptimizer._move_new_state_to_right_device", "override",
+          "each sub-optimizer's state on its parameters' device; no per-parameter 'step' in "
+          "the state of an optimizer that counts per group", "0.19.2 places by class and "
+          "moves non-CPU-class state to 'cuda' by name; the distributed optimizer's load "
+          "gives TE FusedAdam's states a 'step' an uninterrupted run lacks", params=()),
     Entry("hdo refresh", f"{_HDO}:HybridDeviceOptimizer.update_fp32_param_by_new_param",
           "override", "refreshes natively fp32 inner copies too", "0.19.2 skips them",
           params=()),

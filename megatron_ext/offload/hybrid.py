@@ -40,6 +40,7 @@ import torch
 from buffers.spans import Span
 
 from .. import seam
+from ..opt_checkpoint import place_sub_optimizer_state
 from .host_mirror import (
     BufferMirror,
     HostBlock,
@@ -111,7 +112,68 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
 
     def _init_sub_optimizers(self):
         super()._init_sub_optimizers()
+        self._pair_groups()
         self._build_host_mirrors()
+
+    def _pair_groups(self) -> None:
+        """(sub-optimizer, its group index, this optimizer's group index) of every
+        sub-optimizer group, worked out once per set of sub-optimizers."""
+        group_of = {
+            self.param_to_inner_param[p]: i
+            for i, g in enumerate(self.param_groups)
+            for p in g["params"]
+        }
+        self._group_pairs = [
+            (opt, j, group_of[g["params"][0]])
+            for opt in self.sub_optimizers
+            for j, g in enumerate(opt.param_groups)
+        ]
+        self._steps_before: list = [None] * len(self._group_pairs)
+
+    def _sync_hdo_param_groups_to_sub_optimizers(self):
+        """Each param group's hyperparameters (lr, weight decay, ...) into the sub-optimizer
+        groups built from it, ``step`` excepted: a sub-optimizer keeps its own count, and a
+        per-group count it advances is copied back after the step
+        (:meth:`_sync_sub_optimizers_state_to_hdo`), so that a checkpoint saves it.
+
+        megatron-core's version copies ``step`` too. An optimizer that counts steps per
+        group (transformer-engine's ``FusedAdam``, the GPU part at offload fractions below
+        1) then has its count reset before every step to what these groups hold: after a
+        checkpoint load, the saved step, so its bias correction stays at the saved step + 1
+        until the next restart (torch's optimizers count per parameter and are immune).
+        """
+        for k, (opt, j, i) in enumerate(self._group_pairs):
+            sub = opt.param_groups[j]
+            for key, value in self.param_groups[i].items():
+                if key not in ("params", "step"):
+                    sub[key] = value
+            self._steps_before[k] = sub.get("step")
+
+    def _sync_sub_optimizers_state_to_hdo(self):
+        """megatron-core's state sync, then every per-group ``step`` a sub-optimizer
+        advanced in this step into this optimizer's group (what a checkpoint saves; at
+        offload fraction 0 megatron-core finds no per-parameter step to save)."""
+        super()._sync_sub_optimizers_state_to_hdo()
+        for (opt, j, i), before in zip(self._group_pairs, self._steps_before, strict=True):
+            step = opt.param_groups[j].get("step")
+            if step is not None and step != before:
+                self.param_groups[i]["step"] = step
+
+    def _move_new_state_to_right_device(self):
+        """After a load: each sub-optimizer's state on its parameters' device
+        (:func:`~megatron_ext.opt_checkpoint.place_sub_optimizer_state`), and no
+        per-parameter ``step`` in the state of an optimizer that counts steps per group.
+
+        megatron-core tells the two sub-optimizers apart by class (both are torch's AdamW
+        without transformer-engine), and its distributed optimizer's load gives every
+        state a ``step`` tensor, which transformer-engine's ``FusedAdam`` never reads and
+        an uninterrupted run does not have.
+        """
+        for opt in self.sub_optimizers:
+            if not type(opt).__module__.startswith("torch.optim"):
+                for state in opt.state.values():
+                    state.pop("step", None)
+        place_sub_optimizer_state(self)
 
     def _build_host_mirrors(self) -> None:
         offloaded = self.gpu_params_map_cpu_copy

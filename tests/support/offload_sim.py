@@ -152,7 +152,10 @@ def sim(pa, fp32_first, grads_fp32, dp, rank):
             for name, p in shards.items()
             if (len((SHAPES | FP32_SHAPES)[name]) > 1) == decay
         ]
-        groups.append({"params": params, "weight_decay": 0.1 if decay else 0.0})
+        # wd_mult tells the groups apart where megatron-core pairs saved and current groups
+        groups.append(
+            {"params": params, "weight_decay": 0.1 if decay else 0.0, "wd_mult": float(decay)}
+        )
     sources = (
         OffloadSource(
             "bf16", bf16.owned, mirror if mirror is not None else bf16.grad_data,
@@ -258,7 +261,8 @@ class MirrorChunked(MirrorPlaced):
     chunk_numel = 40
 
 
-def make_hdo(cls, groups, fraction, overlap, sources=None, chunk=None, compute=None):
+def make_hdo(cls, groups, fraction, overlap, sources=None, chunk=None, compute=None, gpu_cls=None):
+    """``cls`` over ``groups``; ``gpu_cls``: the GPU optimizer (torch's AdamW by default)."""
     hdo = cls.__new__(cls)
     if chunk is not None:
         hdo.chunk_numel = chunk
@@ -270,8 +274,9 @@ def make_hdo(cls, groups, fraction, overlap, sources=None, chunk=None, compute=N
         hdo._offload_sources = sources
     HybridDeviceOptimizer.__init__(
         hdo, groups, offload_fraction=fraction, cpu_optimizer_cls=torch.optim.AdamW,
-        gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True, pin_cpu_grads=False,
-        overlap_cpu_optimizer_d2h_h2d=overlap, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True,
+        gpu_optimizer_cls=gpu_cls or torch.optim.AdamW, param_update_in_fp32=True,
+        pin_cpu_grads=False, overlap_cpu_optimizer_d2h_h2d=overlap, lr=1e-2, betas=(0.9, 0.95),
+        eps=1e-8, fused=True,
     )  # fmt: skip
     return hdo
 
