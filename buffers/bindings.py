@@ -325,8 +325,9 @@ class BindingWatch:
         """What broke, one line per cause (those ``zero_()`` cannot repair first)."""
         wrapped = functools.cache(bucket_view_param_ids)
         causes: dict[Problem, list[str]] = {}
-        built = {pid: i for i, pid in enumerate(self.bindings)}  # names in layout order
-        for pid in sorted(self.broken, key=lambda pid: built.get(pid, len(built))):
+        # names in the order the parameters were given, then as outsiders were found
+        order = {pid: i for i, pid in enumerate([*self.bindings, *self.outsiders])}
+        for pid in sorted(self.broken, key=order.__getitem__):
             name, problem = self.diagnose(pid, wrapped)
             causes.setdefault(problem, []).append(name)
         ordered = sorted(causes.items(), key=lambda c: not c[0].fatal)

@@ -16,10 +16,13 @@ from .graphs import NormClip
 from .options import DEFAULT, BufferOptions
 from .param_norms import ParamNormPass, ParamNorms
 from .plan import LayoutPlan, ParamEntry, check_grad_dtype, plan_layout
+from .registrations import ModuleWatch, model_root
 
 __all__ = ["FlatGradBuffers", "GradientOutsideBufferError"]
 
-ParamsArg = torch.Tensor | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+ParamsArg = (
+    torch.nn.Module | torch.Tensor | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+)
 
 
 def _named(params: ParamsArg) -> list[tuple[str, torch.Tensor]]:
@@ -44,12 +47,16 @@ class FlatGradBuffers:
     one fused launch per buffer instead of one per parameter.
 
     Args:
-        params: parameters, one parameter, or ``(name, parameter)`` pairs such as
-            ``named_parameters()``. A parameter given twice is laid out once, under its
-            first name. Frozen parameters (``requires_grad=False``) get no place; a hook
-            reports one that is unfrozen later, at the first norm, clip or count after it
-            receives a gradient. Parameters are held weakly: once one is freed (the model
-            re-created, ``load_state_dict(..., assign=True)``), every call raises.
+        params: a module (its ``named_parameters()``), parameters, one parameter, or
+            ``(name, parameter)`` pairs such as ``named_parameters()``. A parameter given
+            twice is laid out once, under its first name. Frozen parameters
+            (``requires_grad=False``) get no place; a hook reports one that is unfrozen
+            later, at the first norm, clip or count after it receives a gradient. Given a
+            module or its ``named_parameters()`` / ``parameters()`` generator, a parameter
+            registered on the model later is reported the same way
+            (:mod:`buffers.registrations`); given a list, it cannot be seen. Parameters
+            are held weakly: once one is freed (the model re-created,
+            ``load_state_dict(..., assign=True)``), every call raises.
         counted: predicate on a parameter: does it count toward norms? Default: all do.
             Every gradient is still scaled by clipping (uncounted ones are typically
             duplicates of gradients counted elsewhere).
@@ -78,6 +85,9 @@ class FlatGradBuffers:
         device: torch.device | str | None = None,
         options: BufferOptions = DEFAULT,
     ) -> None:
+        root = model_root(params)  # before a generator is consumed
+        if isinstance(params, torch.nn.Module):
+            params = list(params.named_parameters())
         named = _named(params)
         if not named and device is None and iter(params) is params:
             raise ValueError(
@@ -114,6 +124,7 @@ class FlatGradBuffers:
         # closed, its hooks go too.
         self._watch = BindingWatch()
         self._bind(trained, frozen)
+        self._modules = None if root is None else ModuleWatch(self._watch, root)
 
         def views(spans_of):
             return [
@@ -170,6 +181,8 @@ class FlatGradBuffers:
         FlatGradBuffers to go on.
         """
         self._watch.close()
+        if self._modules is not None:
+            self._modules.close()
 
     def __enter__(self) -> FlatGradBuffers:
         return self
@@ -201,9 +214,12 @@ class FlatGradBuffers:
         """Verify every ``.grad`` is still its view (one pass over parameters; not per step).
 
         Also finds what the per-call check (one parameter per buffer) and the backward hooks
-        cannot see before the next backward: a ``.grad`` changed without a backward, or part
-        of a model converted (``submodule.half()``).
+        cannot see before the next backward: a ``.grad`` changed without a backward, part
+        of a model converted (``submodule.half()``), or a parameter with a gradient added
+        to the model where torch's registration hooks do not run (``ModuleList.insert``).
         """
+        if self._modules is not None and not self._watch.closed:
+            self._modules.scan()
         self._watch.check_all()
 
     def zero_(self) -> None:
