@@ -142,6 +142,12 @@ ENTRIES: tuple[Entry, ...] = (
           "subclass", "restores keep_in_fp32 parameters (unrounded) after the cast",
           "megatron-core 0.19 casts every parameter to bf16/fp16",
           params=("config", "module")),
+    *(Entry(layer, f"megatron.core.tensor_parallel:{layer}", "read",
+            "isinstance only: whether the module holds megatron-core's own linear layers",
+            "with gradient_accumulation_fusion they call apex's fused_weight_gradient_mlp_cuda; "
+            "without it the DDP refuses the module in one line (wgrad_fusion.py)",
+            kind="class")
+      for layer in ("ColumnParallelLinear", "RowParallelLinear")),
     # -- optimizer construction -------------------------------------------------------------
     Entry("OptimizerConfig", "megatron.core.optimizer:OptimizerConfig", "call",
           "build_stack builds it from a mapping, use_distributed_optimizer set to agree with "

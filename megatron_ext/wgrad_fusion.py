@@ -15,6 +15,8 @@ import importlib.util
 
 import torch
 
+from . import seam
+
 KERNEL = "fused_weight_gradient_mlp_cuda"
 
 
@@ -51,9 +53,7 @@ def check_module(transformer_config, module: torch.nn.Module) -> None:
         return
     if fusion_kernel_available():
         return
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    layers = (ColumnParallelLinear, RowParallelLinear)
+    layers = tuple(map(seam.target, ("ColumnParallelLinear", "RowParallelLinear")))
     found = next((n for n, m in module.named_modules() if isinstance(m, layers)), None)
     if found is not None:
         turn_off = "set gradient_accumulation_fusion=False in the TransformerConfig"
