@@ -120,6 +120,18 @@ def first_error_line(text: str) -> str:
     return next((ln for ln in lines if _ERROR_LINE.search(ln)), lines[-1] if lines else "")
 
 
+def status(error: str | None) -> str:
+    """A row's status from its ``error`` field: ``ok``; ``crashed (...)`` when the error
+    says its process died (``crashed: ...``, as the benchmarks record a
+    :class:`ChildCrashed`); else ``failed (first line of the error)``."""
+    if not error:
+        return "ok"
+    first = error.splitlines()[0]
+    if first.startswith("crashed: "):
+        return f"crashed ({first.removeprefix('crashed: ')})"
+    return f"failed ({first})"
+
+
 class Child:
     """A spawned worker process that runs ``"module:function"`` calls with a kept state.
 

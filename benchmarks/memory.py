@@ -15,7 +15,8 @@ optimizer model with ``megatron_ext``'s ``per_dtype_grad_buffers`` on, off, and 
 ``grad_reduce_in_fp32=True`` (see ``memory_ddp.py``).
 
 Writes DIR/memory.json (``kind`` is ``"layout"`` or ``"measured"``; fields in
-:data:`LAYOUT_FIELDS` and ``memory_ddp.MEASURED_FIELDS``) and DIR/memory.png.
+:data:`LAYOUT_FIELDS` and ``memory_ddp.MEASURED_FIELDS``), DIR/memory.png and DIR/memory.txt
+(the tables printed).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 import torch
 
-from benchmarks import common, inventories, memory_ddp
+from benchmarks import common, inventories, isolation, memory_ddp
 from benchmarks.inventories import Inventory
 from buffers import plan_layout
 
@@ -209,10 +210,10 @@ LAYOUT_TABLE = (
     common.Column("fp32 GiB", "fp32_gib", _gib, "megatron-core's, grad_reduce_in_fp32=True"),
     common.Column("fp32-ours", "fp32_minus_ours_gib", _gib, "GiB saved against fp32"),
     common.Column(
-        "stock-ours bytes",
+        "stock-ours B",
         "stock_minus_ours_bytes",
         lambda v: f"{v:+,d}",
-        "stock minus ours (padding and bucket rounding differ)",
+        "bytes, stock minus ours (padding and bucket rounding differ)",
     ),
 )
 MEASURED_TABLE = (
@@ -224,7 +225,13 @@ MEASURED_TABLE = (
         "peak allocated over build, one step and the optimizer",
     ),
     common.Column("grad buffers GiB", "grad_buffer_gib", _gib, "DDP gradient buffers alone"),
-    common.Column("error", "error", lambda v: v.splitlines()[0][:60]),
+    common.Column(
+        "status",
+        "status",
+        lambda v: v[:60],
+        "ok; failed (the error); crashed (stock configurations run in a process of their own, "
+        "and that process died)",
+    ),
 )
 
 
@@ -248,12 +255,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     json_path = common.write_json(records, args.out, "memory")
     png_path = plot(records, args.out, title)
-    print(f"wrote {json_path} and {png_path}", file=sys.stderr)
-    print(common.format_table([r for r in records if r["kind"] == "layout"], LAYOUT_TABLE))
+    tables = common.format_table([r for r in records if r["kind"] == "layout"], LAYOUT_TABLE)
     measured = [r for r in records if r["kind"] == "measured"]
     if measured:
-        print()
-        print(common.format_table(measured, MEASURED_TABLE))
+        rows = [r | {"status": isolation.status(r["error"])} for r in measured]
+        tables += "\n\n" + common.format_table(rows, MEASURED_TABLE)
+    txt_path = common.write_text(f"{title}\n\n{tables}", args.out, "memory")
+    print(f"wrote {json_path}, {png_path} and {txt_path}", file=sys.stderr)
+    print(tables)
     return records
 
 

@@ -5,13 +5,17 @@ fp32 parameters (a hyper-connection-like weight per layer and a sink vector). Ea
 configuration builds the model, wraps it with ``megatron_ext.DistributedDataParallel``,
 builds the optimizer with ``megatron_ext.get_megatron_optimizer`` (both through
 ``megatron_ext.build_stack``) and runs one training step; the record holds the peak
-allocated memory over all of that.
+allocated memory over all of that. Stock's configurations (``off``,
+``grad_reduce_in_fp32``) each run in a process of their own (``benchmarks/isolation.py``):
+a CUDA error in megatron-core's norm there is that row's error, not the end of the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,10 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, isolation
 
 INIT_METHOD = "tcp://127.0.0.1:29533"
-# name -> (per_dtype_grad_buffers, grad_reduce_in_fp32)
+CHILD_MODULE = "benchmarks.memory_ddp"  # how a child process imports this file
+# name -> (per_dtype_grad_buffers, grad_reduce_in_fp32); stock: the option off
 CONFIGS = {
     "on": (True, False),
     "off": (False, False),
@@ -119,6 +124,36 @@ def _measure_config(api, per_dtype: bool, fp32_reduce: bool, hidden: int, layers
     }
 
 
+def measure_stock(name: str, hidden: int, layers: int) -> dict:
+    """The stock configuration ``name``'s fields, measured in a process of its own.
+
+    Returns:
+        What :func:`_measure_config` returns, or ``error`` / ``error_at`` when it raised
+        there or the process died (``crashed: ...``).
+    """
+    with isolation.Child(f"memory_ddp-{name}") as child:
+        try:
+            return child.call(f"{CHILD_MODULE}:_child_measure", name, hidden, layers)
+        except isolation.ChildCrashed as exc:
+            return {"error": f"crashed: {exc}", "error_at": "its own process"}
+        except isolation.ChildFailed as exc:
+            return exc.fields
+
+
+def _child_measure(state: dict, name: str, hidden: int, layers: int) -> dict:
+    isolation.fire(isolation.injected_fault(name))
+    from megatron.core import parallel_state
+
+    per_dtype, fp32_reduce = CONFIGS[name]
+    torch.cuda.set_device(0)
+    with contextlib.ExitStack() as stack:
+        store = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "store"
+        stack.enter_context(common.single_rank_process_group(f"file://{store}"))
+        parallel_state.initialize_model_parallel()
+        stack.callback(parallel_state.destroy_model_parallel)
+        return _measure_config(_load_api(), per_dtype, fp32_reduce, hidden, layers)
+
+
 def measure_peak_memory(hidden: int, layers: int) -> list[dict]:
     """Peak allocated memory per configuration in :data:`CONFIGS`, on CUDA device 0.
 
@@ -153,7 +188,10 @@ def measure_peak_memory(hidden: int, layers: int) -> list[dict]:
                     "layers": layers,
                 }
                 try:
-                    rec |= _measure_config(api, per_dtype, fp32_reduce, hidden, layers)
+                    if per_dtype:
+                        rec |= _measure_config(api, per_dtype, fp32_reduce, hidden, layers)
+                    else:
+                        rec |= measure_stock(name, hidden, layers)
                 except Exception as exc:  # record it and measure the next configuration
                     rec |= common.error_fields(exc)
                 records.append(rec)

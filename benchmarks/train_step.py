@@ -8,16 +8,21 @@ Per step: forward+backward, norm+clip, optimizer (copy to main grads + inner ste
 gather), each timed with the device drained before and after; and peak allocated memory.
 Rounds are interleaved (``--rounds``): every configuration is built and stepped once per
 round, in turn; each phase reports its fastest round's median, ``step_spread`` how far the
-rounds' step times are apart, and a line warns when that exceeds 20%.
+rounds' step times are apart, and a line warns when that exceeds 20%. Stock's configurations
+run in a process of their own (``benchmarks/isolation.py``; a fresh one after any error), so
+that a CUDA error there cannot poison ours: each row's ``status`` is ``ok``, ``failed (...)``
+or ``crashed (...)``.
 
 CUDA only: megatron-core's DDP and optimizers allocate on CUDA.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 import torch
 
+from benchmarks import isolation
 from benchmarks.common import (
     Column,
     base_parser,
@@ -185,6 +191,35 @@ def _measure(args, option: bool, label: str, overrides: dict, fp32_islands: bool
     return row
 
 
+def _measure_stock(child: isolation.Child, args, label: str, overrides: dict, islands: bool):
+    """Stock's :func:`_measure` in ``child``, a process of its own: a CUDA error there
+    (megatron-core's norm with transformer-engine on a mixed list) cannot poison ours, and
+    a child that dies or raises is this row's error."""
+    row = {"config": label, "variant": "stock", "fp32_islands": islands}
+    try:
+        return child.call(f"{CHILD_MODULE}:_child_measure", args, label, overrides, islands)
+    except isolation.ChildCrashed as exc:
+        return row | {"error": f"crashed: {exc}", "error_at": "its own process"}
+    except isolation.ChildFailed as exc:
+        return row | exc.fields
+
+
+CHILD_MODULE = "benchmarks.train_step"  # how the child imports this file
+
+
+def _child_measure(state: dict, args, label: str, overrides: dict, islands: bool) -> dict:
+    isolation.fire(isolation.injected_fault(label))
+    if "group" not in state:  # this process's own one-rank group and model parallel state
+        from megatron.core import parallel_state
+
+        torch.cuda.set_device(0)
+        state["group"] = contextlib.ExitStack()
+        store = Path(state["group"].enter_context(tempfile.TemporaryDirectory())) / "store"
+        state["group"].enter_context(single_rank_process_group(f"file://{store}"))
+        parallel_state.initialize_model_parallel()
+    return _measure(args, False, label, overrides, islands)
+
+
 def _time_offload_steps(opt) -> list[float] | None:
     """Time every step of the CPU-offload optimizers inside ``opt`` (device drained before
     and after): seconds per optimizer step, summed over them; None when there is none."""
@@ -288,9 +323,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
             runs.append((True, f"{label}_chunked", ov | {OFFLOAD_STEP: "chunked"}, True))
         per_round: list[list[dict]] = [[] for _ in runs]
         order = [i for _ in range(max(1, args.rounds)) for i in range(len(runs))]
-        for i in progress(order, NAME):
-            per_round[i].append(_measure(args, *runs[i]))
+        child = None  # stock's process; a fresh one after any error there
+        try:
+            for i in progress(order, NAME):
+                if runs[i][0]:
+                    per_round[i].append(_measure(args, *runs[i]))
+                    continue
+                child = child if child is not None and child.usable else isolation.Child(NAME)
+                per_round[i].append(_measure_stock(child, args, *runs[i][1:]))
+                if "error" in per_round[i][-1]:
+                    child.close()
+                    child = None
+        finally:
+            if child is not None:
+                child.close()
         rows = [combine_rounds(r) for r in per_round]
+        for row in rows:
+            row["status"] = isolation.status(row.get("error"))
         parallel_state.destroy_model_parallel()
     write_json(rows, args.out, NAME)
     warning = spread_warning(
@@ -347,7 +396,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 ),
                 Column("peak GiB", "peak_gib", lambda v: f"{v:.2f}", "peak allocated"),
                 Column("loss first->last", "loss_last", lambda v: f"{v:.4f}"),
-                Column("error", "error", lambda v: v[:70]),
+                Column(
+                    "status",
+                    "status",
+                    lambda v: v[:70],
+                    "ok; failed (the error); crashed (stock runs in a process of its own, "
+                    "and that process died)",
+                ),
             ],
         )
     )

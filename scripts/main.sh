@@ -22,7 +22,7 @@ options (passed to python -m buffers.demo):
   --device DEVICE      cpu or cuda (default: cuda when torch sees a GPU, else cpu)
   --max-norm MAX_NORM  clip the total gradient norm to this value every step (default: 1.0)
 
-files: the benchmarks' JSON and PNG files go to bench-out/, or to $OUT when it is set.
+files: the benchmarks' JSON, PNG and full tables (.txt) go to bench-out/, or to $OUT when set.
 USAGE
 }
 for arg in "$@"; do
@@ -40,7 +40,7 @@ echo
 echo "== demo: a mixed bf16/fp32 model trained with FlatGradBuffers"
 "$PY" -m buffers.demo "$@"
 echo
-echo "== benchmark: norm and clip, side by side (tables below; JSON and PNG in $out/)"
+echo "== benchmark: norm and clip, side by side (summary below; full table, JSON and PNG in $out/)"
 "$PY" benchmarks/norm_clip.py --out "$out"
 echo
 echo "== benchmark: gradient-buffer memory per rank"

@@ -742,3 +742,31 @@ def test_norm_clip_summary_fits_100_columns_and_about_30_rows(labels, tmp_path):
     assert any(ln.startswith("megatron") and "deepseek_moe: crashed (killed by SIGABRT" in ln
                for ln in lines)  # fmt: skip
     assert lines[-1] == f"full table: {tmp_path / 'norm_clip.txt'}"
+
+
+def test_train_step_stock_crash_is_its_row(monkeypatch):
+    """CUDA-only benchmark, but its stock cell's process handling runs here: the injected
+    fault fires in the child before anything touches CUDA."""
+    import argparse
+
+    from benchmarks import isolation
+
+    script = load_script("train_step")
+    monkeypatch.setenv("BENCHMARKS_STOCK_FAULT", "abort:distopt")
+    with isolation.Child("train_step-test", timeout_s=120) as child:
+        row = script._measure_stock(child, argparse.Namespace(), "distopt", {}, True)
+        assert child.crash is not None
+    assert (row["config"], row["variant"], row["fp32_islands"]) == ("distopt", "stock", True)
+    assert isolation.status(row["error"]) == "crashed (killed by SIGABRT)"
+    assert script.combine_rounds([row])["error"] == row["error"]  # the row stays a failure
+
+
+def test_memory_ddp_stock_failure_is_its_row(monkeypatch):
+    from benchmarks import isolation
+
+    script = load_script("memory_ddp")
+    monkeypatch.setenv("BENCHMARKS_STOCK_FAULT", "raise:grad_reduce_in_fp32")
+    fields = script.measure_stock("grad_reduce_in_fp32", 64, 1)
+    assert fields["error"] == "RuntimeError: fault injected by BENCHMARKS_STOCK_FAULT"
+    assert isolation.status(fields["error"]) == f"failed ({fields['error']})"
+    assert isolation.status(None) == "ok"
