@@ -239,6 +239,7 @@ class Setup:
                 self.stepper.update(i, chunk)
             with timer("h2d"):
                 self._h2d(chunk)
+        self.stepper.finish()
         self._finish()
 
     def _events(self):

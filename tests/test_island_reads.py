@@ -286,6 +286,7 @@ def _kernel_reads(mirror, mine, runs, copies, compute):
     try:
         for i, block in enumerate(copies):
             stepper.update(i, block)
+        stepper.finish()
     finally:
         torch._fused_adamw_ = real
     return seen

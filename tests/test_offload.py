@@ -970,6 +970,7 @@ def test_chunked_adamw_equals_torch_fused_adamw_per_parameter_in_fp64_terms():
         stepper.begin()
         for c in range(len(stepper.chunks)):
             stepper.update(c)
+        stepper.finish()
         for e, (twin, _), x in zip(entries, ref, f64, strict=True):
             mine = host[e.local.start : e.local.end]
             assert torch.equal(mine, twin.detach())  # torch's kernel, bit for bit

@@ -103,6 +103,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     cpu_threads: int | None = None
     compute_numel: int = DEFAULT_COMPUTE_NUMEL  # sub-ranges of a chunk (ChunkedAdamW)
     _chunked: tuple | None = None
+    _torn: str | None = None  # why the chunked step refuses to run (a step failed part way)
 
     def _get_sub_optimizer_param_groups(self, offload_fraction):
         if self._reused_placement is not None:
@@ -216,6 +217,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         self._h2d_done = torch.cuda.Event()
         self._chunked = None
         self._chunked_for = None
+        self._torn = None
         self._gpu_masters = [
             (p, fp32) for p, fp32 in self.param_to_fp32_param.items() if p not in offloaded
         ]
@@ -240,9 +242,14 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             for gi, g in enumerate(opt.param_groups)
             for p in g["params"]
         }
+        # the offload optimizer's group each per-parameter optimizer's group was made from
+        family = {(id(opt), j): i for opt, j, i in self._group_pairs}
         steppers, copies, order = [], [], []
         for k, (m, params) in enumerate(zip(self.host_mirrors, self._mirror_params, strict=True)):
-            entries = [Entry(cpu, local, *where[cpu]) for cpu, local in params]
+            entries = [
+                Entry(cpu, local, *where[cpu], family=family[id(where[cpu][0]), where[cpu][1]])
+                for cpu, local in params
+            ]
             runs = chunk_spans(
                 [m.layout.local(b) for b in m.layout.blocks],
                 max(1, int(self.chunk_numel)),
@@ -268,10 +275,16 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         """megatron-core's step, or the chunked one (:attr:`chunked_step`).
 
         The chunked step: every chunk's device-to-host copy is issued at once on the copy
-        stream; the GPU optimizer steps (its kernels run while the host works); then per
-        chunk, in order: wait for its copy; in cache-sized sub-ranges convert, one fused
-        AdamW call per hyperparameter set, pack; its host-to-device copy on the other
-        stream; so that chunk i's copies overlap the update of its neighbours.
+        stream; then per chunk, in order: wait for its copy; in cache-sized sub-ranges
+        convert, one fused AdamW call per family of parameters, pack; its host-to-device
+        copy on the other stream; so that chunk i's copies overlap the update of its
+        neighbours; then the step counters advance and the GPU optimizer steps.
+
+        If the CPU part raises, every copy already issued completes before the exception
+        leaves, and the compute stream waits for the copies back. Raised before any fused
+        call had updated anything, the optimizer is as it was before the step (counters,
+        moments, parameters on both sides); raised later, this step refuses to run again
+        until a checkpoint is loaded (the state is then part old, part new).
         """
         if not self.chunked_step or closure is not None:
             self._refuse_if_lean("chunked_step is off" if closure is None else "a closure")
@@ -282,8 +295,12 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         if self._chunked is None:
             self._refuse_if_lean(self.chunked_step_off)
             return super().step(closure)
+        if self._torn is not None:
+            raise RuntimeError(self._torn)
         steppers, copies, events, order = self._chunked
         self._sync_hdo_param_groups_to_sub_optimizers()
+        for stepper in steppers:
+            stepper.begin()
         compute = torch.cuda.current_stream()
         self._d2h_stream.wait_stream(compute)
         with torch.cuda.stream(self._d2h_stream):
@@ -292,17 +309,40 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                 event.record(self._d2h_stream)
         # the device parameters may still be read by work queued before this step
         self._h2d_stream.wait_stream(compute)
-        if self.gpu_optimizer is not None:
-            self.gpu_optimizer.step()
-        for stepper in steppers:
-            stepper.begin()
-        for (k, i), chunk, event in zip(order, copies, events, strict=True):
-            event.synchronize()
-            steppers[k].update(i, chunk)  # convert, update, pack, sub-range by sub-range
-            with torch.cuda.stream(self._h2d_stream):
-                chunk.start_h2d()
+        waited = 0
+        try:
+            for (k, i), chunk, event in zip(order, copies, events, strict=True):
+                event.synchronize()
+                waited += 1
+                steppers[k].update(i, chunk)  # convert, update, pack, sub-range by sub-range
+                with torch.cuda.stream(self._h2d_stream):
+                    chunk.start_h2d()
+        except BaseException:
+            # no copy left in flight: the host may free or reuse the staging, and later
+            # device work is ordered after the copies back already issued
+            for event in events[waited:]:
+                event.synchronize()
+            self._h2d_done.record(self._h2d_stream)
+            compute.wait_event(self._h2d_done)
+            self._h2d_done.synchronize()
+            updated = sum(s.updated for s in steppers)
+            if updated:
+                self._torn = (
+                    f"the previous offloaded optimizer step failed part way ({updated} fused "
+                    "AdamW calls had updated parameters and moments, the others had not), "
+                    "so this optimizer's state is inconsistent; load the last checkpoint "
+                    "(load_state_dict) before stepping again"
+                )
+            raise
         self._h2d_done.record(self._h2d_stream)
         compute.wait_event(self._h2d_done)
+        for stepper in steppers:
+            stepper.finish()
+        # its kernels queue on the compute stream behind the wait for the copies back,
+        # and run while the next host work begins; after the CPU part, so that a CPU
+        # failure leaves the GPU part untouched too
+        if self.gpu_optimizer is not None:
+            self.gpu_optimizer.step()
         self._sync_sub_optimizers_state_to_hdo()
 
     def _refuse_if_lean(self, why: str) -> None:

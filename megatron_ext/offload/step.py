@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +86,10 @@ class Entry:
     local: Span  # mirror coordinates
     optimizer: torch.optim.Optimizer
     group: int  # index into optimizer.param_groups
+    # Entries of one family always share their hyperparameters (one param group of the
+    # offload optimizer, copied into each per-parameter optimizer): one fused call per
+    # family and sub-range. None: a family of its own optimizer group.
+    family: Hashable | None = None
 
 
 def eligible(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
@@ -104,14 +108,33 @@ def eligible(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _SubRange:
+    """One sub-range's work, views built once: gradients into the scratch, island pieces
+    over them, one fused call per family, the parameters packed."""
+
+    convert: tuple[torch.Tensor, torch.Tensor] | None  # (scratch, staging) or None
+    islands: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (destination, staging)
+    # (family, parameters, gradients, exp_avg, exp_avg_sq, next steps)
+    calls: tuple[tuple[int, list, list, list, list, list], ...]
+    pack: tuple[torch.Tensor, torch.Tensor] | None  # (staging, host parameters)
+
+
 class ChunkedAdamW:
     """AdamW over one host mirror's parameters, chunk by chunk, each chunk in cache-sized
     sub-ranges: convert its gradients into a reused fp32 scratch, one fused call per
-    hyperparameter set, pack its parameters, while all of it is still in the CPU's caches.
+    family of parameters, pack its parameters, while all of it is still in the CPU's caches.
 
     Converting and packing a whole block in passes of their own moves each element's fp32
     gradient and parameter through memory twice more than the update does (~1.45x the
     update's time on a 2-core EPYC, 32 Mi elements); in sub-ranges of 1 Mi elements, ~1.15x.
+
+    A step is :meth:`begin`, :meth:`update` of every chunk, :meth:`finish`. The step
+    counters advance only in :meth:`finish`: until then the kernel reads a copy of them
+    advanced by one (:attr:`next_steps`), so a step that stops before any update leaves
+    the optimizer as it was. Every parameter's ``step`` is a 0-dim view of one flat
+    tensor (:attr:`steps`), one per parameter even where a loaded state shared one tensor
+    between several, so each advances once per step.
 
     Args:
         host_params: the mirror's flat CPU parameters.
@@ -172,27 +195,54 @@ class ChunkedAdamW:
         covered = sum(s.numel for c in self.subs for _, p in c for _, s in p)
         if covered != sum(e.local.numel for e in self.entries):
             raise ValueError("the chunks do not cover every parameter exactly once")
+        families: dict[Hashable, int] = {}
+        self._family = [
+            families.setdefault(
+                e.family if e.family is not None else ("group", id(e.optimizer), e.group),
+                len(families),
+            )
+            for e in self.entries
+        ]
+        # the entry whose optimizer group gives each family's hyperparameters
+        self._family_entry = [self._family.index(f) for f in range(len(families))]
         self.scratch = torch.empty(longest, dtype=host_params.dtype)
         self.exp_avg: torch.Tensor | None = None  # allocated at the first step, as torch does
         self.exp_avg_sq: torch.Tensor | None = None
+        self.steps = torch.zeros(len(self.entries), dtype=torch.float32)
+        self.next_steps = torch.zeros_like(self.steps)
+        self._step_views = list(self.steps.unbind()) if self.entries else []
+        self._next_views = list(self.next_steps.unbind()) if self.entries else []
+        self._bound: list[tuple | None] = [None] * len(self.entries)
         self._hyper: list[tuple] = []
-        self._steps: list[torch.Tensor] = []
+        self._plans: dict[int, tuple[object, tuple[_SubRange, ...]]] = {}
+        self.updated = 0  # fused calls made since begin()
 
     def _flat(self, t: torch.Tensor | None, span: Span) -> torch.Tensor:
         return t[span.start : span.end]
 
     def bind_state(self) -> None:
-        """Make every parameter's ``exp_avg`` / ``exp_avg_sq`` views of the flat moments.
+        """Make every parameter's ``exp_avg`` / ``exp_avg_sq`` views of the flat moments
+        and its ``step`` a view of :attr:`steps`.
 
         A parameter without state gets zeros and ``step`` 0, as torch's first step gives; a
         parameter whose state holds other tensors (a loaded checkpoint) has them copied in.
         The state dict objects are kept (megatron-core shares them with its own ``state``).
+        Parameters whose state still holds this object's views are skipped by identity.
         """
         if self.exp_avg is None:
             self.exp_avg = torch.zeros_like(self.host_params)
             self.exp_avg_sq = torch.zeros_like(self.host_params)
-        for e in self.entries:
+        for k, e in enumerate(self.entries):
             state = e.optimizer.state[e.param]
+            bound = self._bound[k]
+            if (
+                bound is not None
+                and state.get("exp_avg") is bound[0]
+                and state.get("exp_avg_sq") is bound[1]
+                and state.get("step") is bound[2]
+            ):
+                continue
+            views = []
             for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
                 view = self._flat(flat, e.local).view(e.param.shape)
                 held = state.get(key)
@@ -200,31 +250,91 @@ class ChunkedAdamW:
                     if "step" not in state:
                         state["step"] = torch.zeros((), dtype=torch.float32)
                     view.zero_()
-                elif held.data_ptr() != view.data_ptr() or held.shape != view.shape:
+                elif held is not view:
                     view.copy_(held)
-                else:
-                    continue
                 state[key] = view
+                views.append(view)
             step = state["step"]
-            if not isinstance(step, torch.Tensor):
-                state["step"] = torch.tensor(float(step), dtype=torch.float32)
-            elif step.dtype != torch.float32 or step.device.type != "cpu" or step.dim():
-                state["step"] = step.detach().to("cpu", torch.float32).reshape(())
+            slot = self._step_views[k]
+            if step is not slot:
+                slot.copy_(step if isinstance(step, torch.Tensor) else float(step))
+                state["step"] = slot
+            self._bound[k] = (*views, slot)
 
     def begin(self) -> None:
-        """Before the chunks: state bound, every step counter advanced once, and the current
-        hyperparameters read (an lr schedule changes them)."""
+        """Before the chunks: state bound, the next step's counters computed (the
+        counters themselves advance in :meth:`finish`), and the current hyperparameters
+        read (an lr schedule changes them)."""
         self.bind_state()
-        self._steps = [e.optimizer.state[e.param]["step"] for e in self.entries]
-        if self._steps:
-            torch._foreach_add_(self._steps, 1)
+        torch.add(self.steps, 1, out=self.next_steps)
         self._hyper = []
-        for e in self.entries:
+        for k in self._family_entry:
+            e = self.entries[k]
             g = e.optimizer.param_groups[e.group]
             beta1, beta2 = g["betas"]
             self._hyper.append(
-                (float(g["lr"]), float(beta1), float(beta2), g["weight_decay"], g["eps"])
+                (
+                    float(g["lr"]),
+                    float(beta1),
+                    float(beta2),
+                    float(g["weight_decay"]),
+                    float(g["eps"]),
+                )
             )
+        self.updated = 0
+
+    def finish(self) -> None:
+        """After every chunk's update: the step counters advance."""
+        self.steps.copy_(self.next_steps)
+
+    def _plan(self, chunk: int, copies) -> tuple[_SubRange, ...]:
+        """The views of chunk ``chunk``'s sub-ranges with ``copies``, built at its first
+        update and kept (the moments exist from :meth:`begin` on)."""
+        cached = self._plans.get(chunk)
+        if cached is not None and cached[0] is copies:
+            return cached[1]
+        c0 = self.chunks[chunk].start
+        convert = None if copies is None else copies.convert
+        if convert is None and self.cpu_grads is None:
+            raise RuntimeError("a lean mirror's chunk needs its copies (it converts from them)")
+        islands = []
+        if copies is not None:
+            for stage, _, cpu, at in copies.islands:
+                islands.append((Span(at, at + stage.numel()), stage, cpu))
+        plan = []
+        for sub, inside in self.subs[chunk]:
+            pieces = []
+            if convert is not None:
+                grads, origin = self.scratch[: sub.numel], sub.start
+                into = (grads, convert[1][sub.start - c0 : sub.end - c0])
+            else:
+                grads, origin, into = self.cpu_grads, 0, None
+            for span, stage, cpu in islands:
+                a, b = max(sub.start, span.start), min(sub.end, span.end)
+                if a < b:
+                    dst = (
+                        grads[a - sub.start : b - sub.start]
+                        if convert is not None
+                        else cpu[a - span.start : b - span.start]
+                    )
+                    pieces.append((dst, stage[a - span.start : b - span.start]))
+            calls: dict[int, tuple[list, ...]] = {}
+            for k, s in inside:
+                lists = calls.setdefault(self._family[k], ([], [], [], [], []))
+                lists[0].append(self._flat(self.host_params, s))
+                lists[1].append(grads[s.start - origin : s.end - origin])
+                lists[2].append(self._flat(self.exp_avg, s))
+                lists[3].append(self._flat(self.exp_avg_sq, s))
+                lists[4].append(self._next_views[k])
+            pack = None
+            if copies is not None:
+                dst, src = copies.pack
+                pack = (dst[sub.start - c0 : sub.end - c0], src[sub.start - c0 : sub.end - c0])
+            plan.append(
+                _SubRange(into, tuple(pieces), tuple((f, *v) for f, v in calls.items()), pack)
+            )
+        self._plans[chunk] = (copies, tuple(plan))
+        return self._plans[chunk][1]
 
     def update(self, chunk: int, copies=None) -> None:
         """The AdamW update of chunk ``chunk`` (after :meth:`begin`).
@@ -235,46 +345,19 @@ class ChunkedAdamW:
         parameters packed into the staging. Without it, gradients are read from
         ``cpu_grads`` and nothing is packed.
         """
-        c0 = self.chunks[chunk].start
-        convert = None if copies is None else copies.convert
-        islands = []
-        if copies is not None:
-            for stage, _, cpu, at in copies.islands:
-                islands.append((Span(at, at + stage.numel()), stage, cpu))
-        if convert is None and self.cpu_grads is None:
-            raise RuntimeError("a lean mirror's chunk needs its copies (it converts from them)")
-        for sub, inside in self.subs[chunk]:
-            if convert is not None:
-                grads = self.scratch[: sub.numel]
-                grads.copy_(convert[1][sub.start - c0 : sub.end - c0])
-                for span, stage, _ in islands:
-                    a, b = max(sub.start, span.start), min(sub.end, span.end)
-                    if a < b:
-                        grads[a - sub.start : b - sub.start].copy_(
-                            stage[a - span.start : b - span.start]
-                        )
-                origin = sub.start
-            else:
-                for span, stage, cpu in islands:
-                    a, b = max(sub.start, span.start), min(sub.end, span.end)
-                    if a < b:
-                        cpu[a - span.start : b - span.start].copy_(
-                            stage[a - span.start : b - span.start]
-                        )
-                grads, origin = self.cpu_grads, 0
-            grouped: dict[tuple, tuple[list, ...]] = {}
-            for k, s in inside:
-                lists = grouped.setdefault(self._hyper[k], ([], [], [], [], []))
-                lists[0].append(self._flat(self.host_params, s))
-                lists[1].append(grads[s.start - origin : s.end - origin])
-                lists[2].append(self._flat(self.exp_avg, s))
-                lists[3].append(self._flat(self.exp_avg_sq, s))
-                lists[4].append(self._steps[k])
-            for (lr, beta1, beta2, wd, eps), (p, g, m, v, steps) in grouped.items():
+        hyper = self._hyper
+        for sub in self._plan(chunk, copies):
+            if sub.convert is not None:
+                sub.convert[0].copy_(sub.convert[1])
+            for dst, src in sub.islands:
+                dst.copy_(src)
+            for family, p, g, m, v, steps in sub.calls:
+                lr, beta1, beta2, wd, eps = hyper[family]
+                # a fused call that raises does so in its argument checks, before writing
                 torch._fused_adamw_(
                     p, g, m, v, [], steps, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
                     weight_decay=wd, eps=eps, maximize=False, grad_scale=None, found_inf=None,
                 )  # fmt: skip
-            if copies is not None:
-                dst, src = copies.pack
-                dst[sub.start - c0 : sub.end - c0].copy_(src[sub.start - c0 : sub.end - c0])
+                self.updated += 1
+            if sub.pack is not None:
+                sub.pack[0].copy_(sub.pack[1])
