@@ -268,8 +268,9 @@ def cpu_megatron() -> Iterator[Log]:
         # op would be handed a done handle and read before it finished
         for mod in (pgb, mappings):
             for n in ("dist_all_gather_func", "dist_reduce_scatter_func"):
-                fn = getattr(mod, n)
-                _setattr(saved, mod, n, _recording_collective(fn.__name__, fn, log))
+                fn = getattr(mod, n, None)
+                if fn is not None:
+                    _setattr(saved, mod, n, _recording_collective(fn.__name__, fn, log))
         with _CudaToCpu(log):
             yield log
     finally:
