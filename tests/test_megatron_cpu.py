@@ -11,6 +11,9 @@ clipped Adam steps. Oracles, per step, on every rank:
   sum rounds (each rank's gradient times 1/2 is exact; their sum rounds once);
 - the step's norm equals the fp64 norm over that mean, within 1e-6;
 - after the steps, parameters equal stock's within bf16 rounding, having moved by far more.
+
+Checkpoints go through megatron-core's ``dist_checkpointing`` (``torch_dist``): saved at
+DP=2, resumed at DP=2 bit for bit and loaded at DP=1 with every state tensor in place.
 """
 
 from __future__ import annotations
