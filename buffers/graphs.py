@@ -218,10 +218,14 @@ class NormClip:
     """p-norm, clip and scale over fixed groups of views (one group per flat buffer).
 
     Args:
-        norm_groups: per buffer, the views whose elements the norm counts.
+        norm_groups: per buffer, the views whose elements the norm counts (they may run
+            over the zero padding between parameters).
         scale_groups: per buffer, the views a clip scales.
         device: where results live.
         options: backend and graph switches (:class:`buffers.options.BufferOptions`).
+        exact_groups: per buffer, one view per counted tensor and nothing else: what the
+            norms that padding or tensor boundaries change read (p <= 0,
+            :func:`buffers.ops.exact_norm`). Default: ``norm_groups``.
     """
 
     def __init__(
@@ -230,9 +234,13 @@ class NormClip:
         scale_groups: Sequence[Sequence[torch.Tensor]],
         device: torch.device,
         options: BufferOptions = DEFAULT,
+        exact_groups: Sequence[Sequence[torch.Tensor]] | None = None,
     ) -> None:
         self.norm_groups = [list(g) for g in norm_groups]
         self.scale_groups = [list(g) for g in scale_groups]
+        self.exact_groups = (
+            self.norm_groups if exact_groups is None else [list(g) for g in exact_groups]
+        )
         self.device = device
         self.options = options
         sources = [v for g in self.norm_groups + self.scale_groups for v in g]
@@ -253,7 +261,8 @@ class NormClip:
         ops.prepare_groups(self.norm_groups + self.scale_groups, options)
 
     def _stat(self, p: float) -> torch.Tensor:
-        return ops.local_power_stat(self.norm_groups, p, self.device, self.options)
+        groups = self.exact_groups if ops.exact_norm(p) else self.norm_groups
+        return ops.local_power_stat(groups, p, self.device, self.options)
 
     def _set_max(self, max_norm: float) -> None:
         # Inside a caller's capture a fill is only recorded, not run: fill, and forget the
@@ -274,7 +283,7 @@ class NormClip:
         return total
 
     def local_stat(self, p: float) -> torch.Tensor:
-        """This rank's sum of |x|^p (max |x| for inf): fp32, 0-dim, a fresh tensor."""
+        """This rank's sum of |x|^p (:func:`buffers.ops.local_power_stat`): 0-dim, fresh."""
         return self.replay(("stat", p), lambda: self._stat(p)).clone()
 
     def norm(self, p: float) -> torch.Tensor:

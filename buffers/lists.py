@@ -33,17 +33,20 @@ def total_norm(
 
     Args:
         tensors: gradients of any mix of floating dtypes and devices.
-        norm_type: p > 0, or ``inf``.
+        norm_type: any number or +-inf, as torch's (0 counts the tensors holding a
+            nonzero, -inf is the smallest ``|x|``: :func:`buffers.ops.check_torch_norm_type`).
         group: a process group to reduce over (one all-reduce), or None.
         device: where the result lives; default the first tensor's device (CPU if none).
 
     Returns:
         0-dim fp32 tensor.
     """
-    p = ops.check_norm_type(norm_type)
+    p = ops.check_torch_norm_type(norm_type)
     groups = group_by_device_dtype(tensors)
     if device is None:
         device = groups[0][0].device if groups else torch.device("cpu")
+    if not groups and group is None:
+        return torch.zeros((), dtype=torch.float32, device=device)  # torch's, for any p
     stat = ops.local_power_stat(groups, p, torch.device(device))
     if group is not None:
         stat = ops.all_reduce_stat(stat, p, group)

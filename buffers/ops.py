@@ -8,7 +8,9 @@ several) plus a handful of scalar ops on the results, and never syncs with the h
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -20,12 +22,49 @@ from .segments import SegmentTable, SpanSegments, torch_segment_stats_
 INF = math.inf
 
 
+def _as_float(value: object, what: str) -> float:
+    """``float(value)``, or a ``TypeError`` naming the argument ``what``."""
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError) as e:  # RuntimeError: a tensor of many
+        raise TypeError(
+            f"{what} must be a number (a float, an int or a one-element tensor), got "
+            f"{type(value).__name__} {value!r}"
+        ) from e
+
+
 def check_norm_type(norm_type: float) -> float:
-    """Return ``norm_type`` as a float, or raise: p > 0 or inf are accepted."""
-    p = float(norm_type)
+    """Return ``norm_type`` as a float, or raise: p > 0 or inf are accepted.
+
+    For megatron-core's functions, whose own code takes nothing else;
+    :func:`check_torch_norm_type` is the check of the torch-like calls.
+    """
+    p = _as_float(norm_type, "norm_type")
     if not (p == INF or p > 0):
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
     return p
+
+
+def check_torch_norm_type(norm_type: float) -> float:
+    """Return ``norm_type`` as a float, or raise: any number but NaN, as torch accepts.
+
+    As in ``torch.nn.utils.get_total_norm`` (the norm of the per-tensor norms): 0 counts
+    the tensors holding a nonzero element, ``-inf`` is the smallest ``|x|``, p < 0 is
+    ``(sum |x|^p)^(1/p)`` (0 as soon as one element is 0).
+    """
+    p = _as_float(norm_type, "norm_type")
+    if math.isnan(p):
+        raise ValueError("norm_type must be a number or +-inf, got nan")
+    return p
+
+
+def exact_norm(p: float) -> bool:
+    """Whether a p-norm must read each tensor exactly, zero padding excluded.
+
+    For p > 0 and inf zeros add nothing, so spans may run over the padding between
+    parameters; 0 counts tensors, and p < 0 and -inf are decided by zeros.
+    """
+    return p <= 0
 
 
 def check_max_norm(max_norm: float | torch.Tensor) -> float:
@@ -33,9 +72,9 @@ def check_max_norm(max_norm: float | torch.Tensor) -> float:
 
     A tensor is read with ``float()`` (on CUDA that is one host sync), then checked the same
     way. torch accepts a negative or NaN ``max_norm`` and flips the sign of every gradient or
-    makes them all NaN; here that is a ``ValueError``.
+    makes them all NaN; here that is a ``ValueError``. Not a number: ``TypeError``.
     """
-    value = float(max_norm)
+    value = _as_float(max_norm, "max_norm")
     if not value >= 0:  # also catches NaN
         raise ValueError(
             f"max_norm must be a number >= 0 (inf never clips, 0 zeroes every gradient), got "
@@ -76,30 +115,34 @@ def _is_process_group(value: object) -> bool:
     return dist.is_available() and isinstance(value, dist.ProcessGroup)
 
 
-# Elements upcast at a time by the torch backend, per device type. On the CPU its scratch
-# buffer (4 MiB of fp32) is reused chunk after chunk while it sits in cache, and a fresh
-# multi-MiB temporary on every call costs page faults (measured: 2.6 ms instead of under 1 ms
-# for 8 MiB of bf16). On CUDA, bigger chunks mean fewer launches.
-_CHUNK = {"cpu": 1 << 21}
+# Elements upcast at a time by the torch backend, per device type. On the CPU a piece is
+# written into a scratch buffer of 2 MiB of fp32 (about one core's L2 cache) that is reused
+# piece after piece while it sits in cache: a fresh multi-MiB temporary costs page faults,
+# and a piece past the cache sends every pass to memory. On CUDA, bigger chunks mean fewer
+# launches.
+_CHUNK = {"cpu": 1 << 19}
 _CHUNK_OTHER = 1 << 22
 
 
-_CPU_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+_CPU_SCRATCH = threading.local()  # per thread: two threads' norms must not share one
 
 
 def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
     """A scratch tensor of at least ``numel`` elements.
 
-    On the CPU one per dtype is kept between calls (at most one chunk: 8 MiB of fp32):
+    On the CPU one per dtype and thread is kept between calls (at most one chunk):
     allocating and first-touching it each call cost about a fifth of a norm. Elsewhere a
     fresh one, so a CUDA graph capture owns its own.
     """
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
-    held = _CPU_SCRATCH.get(dtype)
-    if held is None or held.numel() < numel:
-        held = _CPU_SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
-    return held[:numel]
+    held = getattr(_CPU_SCRATCH, "tensors", None)
+    if held is None:
+        held = _CPU_SCRATCH.tensors = {}
+    t = held.get(dtype)
+    if t is None or t.numel() < numel:
+        t = held[dtype] = torch.empty(numel, dtype=dtype)
+    return t[:numel]
 
 
 def _power_sum_chunked(views: Sequence[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
@@ -111,6 +154,8 @@ def _power_sum_chunked(views: Sequence[torch.Tensor], p: float, acc: torch.dtype
     direct sum of squares has no sqrt-then-square rounding (exact cases stay exact).
     """
     device = views[0].device
+    if device.type == "cpu":
+        return _cpu_power_sum(views, p, acc)
     chunk = _CHUNK.get(device.type, _CHUNK_OTHER)
     longest = max(v.numel() for v in views)
     scratch = _scratch(device, acc, min(chunk, max(longest, 1)))
@@ -133,21 +178,123 @@ def _power_sum_chunked(views: Sequence[torch.Tensor], p: float, acc: torch.dtype
     return torch.stack(parts).sum()
 
 
+def _cpu_power_sum(views: Sequence[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
+    """:func:`_power_sum_chunked` on the CPU: cache-sized pieces, few ops, one thread.
+
+    Views are cut and packed into pieces of ``_CHUNK["cpu"]`` elements (a long view gives
+    several, many short ones share one: one ``torch.cat`` packs them), so a call makes about
+    three ops per piece whatever the number of views. Each piece is upcast into the scratch
+    buffer (or, already in ``acc``, squared straight into it), raised to p in place and
+    summed by ``torch.sum`` (pairwise: fp32 stays accurate over millions of elements). The
+    cast happens piece by piece in cache: ``vector_norm(x, dtype=float32)`` would first
+    materialise an fp32 copy of the whole view.
+    """
+    chunk = _CHUNK["cpu"]
+    total = sum(v.numel() for v in views)
+    if total == 0:
+        return torch.zeros((), dtype=acc)
+    scratch = _scratch(views[0].device, acc, min(chunk, total))
+    parts: list[torch.Tensor] = []
+    pending: list[torch.Tensor] = []
+    filled = 0
+
+    def flush() -> None:
+        s = scratch[:filled]
+        raised = False
+        if len(pending) > 1:
+            torch.cat(pending, out=s)
+        elif pending[0].dtype == acc and p in (1.0, 2.0):
+            if p == 2.0:  # mul, not square: measured faster out of place from memory
+                torch.mul(pending[0], pending[0], out=s)
+            else:
+                torch.abs(pending[0], out=s)
+            raised = True
+        else:
+            s.copy_(pending[0])
+        if not raised:
+            if p == 2.0:
+                s.square_()
+            else:
+                s.abs_()
+                if p != 1.0:
+                    s.pow_(p)
+        parts.append(s.sum())
+        pending.clear()
+
+    with single_thread():
+        for v in views:
+            flat = v.reshape(-1)
+            n, at = flat.numel(), 0
+            while at < n:
+                take = min(chunk - filled, n - at)
+                pending.append(flat[at : at + take])
+                filled += take
+                at += take
+                if filled == chunk:
+                    flush()
+                    filled = 0
+        if pending:
+            flush()
+        return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+_OPENMP: bool | None = None
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Run torch's CPU ops on the calling thread only, for the duration of the block.
+
+    Every multi-threaded op waits for all its threads: on a machine whose cores are busy
+    with other processes each such op can stall for a scheduler time slice (measured on a
+    2-core machine: a norm of ~100 such ops took 250-600 ms instead of ~10). A norm's pieces
+    are memory-bound and sized for one core's cache, so one thread loses little when idle.
+    Only with torch's OpenMP backend, where the thread count is the calling thread's own
+    setting; elsewhere the block runs as it is.
+    """
+    global _OPENMP
+    if _OPENMP is None:
+        _OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    n = torch.get_num_threads()
+    if n == 1 or not _OPENMP:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 class TorchBackend:
     """torch's own kernels; CPU and CUDA."""
 
     name = "torch"
 
     def power_sum(self, views: Sequence[torch.Tensor], p: float) -> torch.Tensor:
-        """Sum of |x|^p over one homogeneous list (max |x| for inf), accumulated in fp32+.
+        """Sum of |x|^p over one homogeneous list, accumulated in fp32+: max |x| for inf,
+        min |x| for -inf (inf when there is no element) and, for 0, how many views hold a
+        nonzero element (torch's 0-norm of the per-tensor norms).
 
         Returns a 0-dim tensor: fp64 for fp64 views, fp32 for every narrower dtype.
         """
         acc = torch.promote_types(views[0].dtype, torch.float32)
-        if p == INF:
-            # max |x| is exact in the views' own dtype: no upcast copy.
-            return self.norms(views, p, views[0].dtype).max().to(acc)
+        if p in (INF, -INF, 0.0):
+            with single_thread() if views[0].device.type == "cpu" else contextlib.nullcontext():
+                return self._extreme_or_count(views, p, acc)
         return _power_sum_chunked(views, p, acc)
+
+    def _extreme_or_count(self, views, p: float, acc: torch.dtype) -> torch.Tensor:
+        if p == 0.0:
+            # One count per view, as torch's get_total_norm takes the 0-norm of the norms.
+            return (self.norms(views, 0.0, acc) > 0).sum().to(acc)
+        device = views[0].device
+        views = [v for v in views if v.numel()]  # torch refuses an empty tensor's inf norm
+        if not views:
+            return torch.full((), INF if p < 0 else 0.0, dtype=acc, device=device)
+        # max/min |x| is exact in the views' own dtype: no upcast copy.
+        norms = self.norms(views, p, views[0].dtype)
+        return (norms.max() if p > 0 else norms.min()).to(acc)
 
     def norms(self, views: Sequence[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
         """Per-view p-norms (1-D tensor)."""
@@ -156,8 +303,13 @@ class TorchBackend:
         return torch.stack(torch._foreach_norm(list(views), p, dtype=acc))
 
     def scale_(self, views: Sequence[torch.Tensor], coeff: torch.Tensor) -> None:
-        if coeff.device.type == "cpu" and coeff.item() == 1.0:
-            return  # reading a CPU scalar costs no sync; x * 1 == x, so skip the pass
+        if coeff.device.type == "cpu":
+            if coeff.item() == 1.0:
+                return  # reading a CPU scalar costs no sync; x * 1 == x, so skip the pass
+            with single_thread():
+                for v in views:  # a per-view op (torch's CPU foreach is a loop of them too)
+                    v.mul_(coeff)
+            return
         if len(views) == 1:
             views[0].mul_(coeff)
         else:
@@ -341,25 +493,30 @@ def local_power_stat(
     device: torch.device,
     options: BufferOptions = DEFAULT,
 ) -> torch.Tensor:
-    """This rank's contribution to a p-norm: sum of |x|^p (max |x| for inf), 0-dim.
+    """This rank's contribution to a p-norm: sum of |x|^p (max |x| for inf, min |x| for
+    -inf, for 0 the number of views holding a nonzero: :meth:`TorchBackend.power_sum`), 0-dim.
 
     ``groups`` holds one homogeneous list of views per flat buffer; empty lists are skipped
-    and no views at all give 0. The result is fp32, or fp64 when any non-empty group is
-    fp64: fp64 gradients keep fp64's range and precision up to the norm (in fp32, the square
-    of an element above ~1.8e19 is inf, and below ~1e-19 it loses bits, then becomes 0).
+    and no views at all give 0 (inf for -inf, the identity of a minimum). The result is fp32,
+    or fp64 when any non-empty group is fp64: fp64 gradients keep fp64's range and precision
+    up to the norm (in fp32, the square of an element above ~1.8e19 is inf, and below
+    ~1e-19 it loses bits, then becomes 0).
     """
     parts = [backend_for(v[0].device, options).power_sum(v, p) for v in groups if v]
     if not parts:
-        return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.full((), INF if p == -INF else 0.0, dtype=torch.float32, device=device)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
     stacked = torch.stack([t.to(device, dtype) for t in parts])
-    return stacked.max() if p == INF else stacked.sum()
+    if p == INF:
+        return stacked.max()
+    return stacked.min() if p == -INF else stacked.sum()
 
 
 def all_reduce_stat(
     stat: torch.Tensor, p: float, group, wire_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """Combine per-rank stats with exactly one all-reduce (SUM, or MAX for inf).
+    """Combine per-rank stats with exactly one all-reduce (SUM; MAX for inf; for -inf MAX
+    of the negated stats, a MIN that carries NaN as the MAX does; 0's counts add up).
 
     Returns the reduced stat in ``stat``'s dtype (``stat`` itself, reduced in place, when
     the wire dtype is its own). The all-reduce's dtype must be the same on every rank,
@@ -374,6 +531,8 @@ def all_reduce_stat(
     if wire_dtype is None:
         wire_dtype = torch.float64 if stat.device.type == "cpu" else torch.float32
     wire = stat.to(wire_dtype)
+    if p == -INF:
+        return all_reduce_stat(-wire, INF, group, wire_dtype).neg_().to(stat.dtype)
     if p != INF:
         dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group)
         return wire.to(stat.dtype)
@@ -388,7 +547,7 @@ def all_reduce_stat(
 
 def finish_norm(stat: torch.Tensor, p: float) -> torch.Tensor:
     """Turn a (reduced) power stat into the norm."""
-    if p == INF:
+    if p in (INF, -INF, 0.0):
         return stat
     if p == 2.0:
         return stat.sqrt()

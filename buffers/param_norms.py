@@ -332,6 +332,11 @@ class ParamStats:
         for ``group``; an NCCL all-reduce is captured in the graph, others run between
         replays.
         """
+        if ops.exact_norm(p):
+            raise ValueError(
+                f"per_param=True takes norm_type > 0 or inf, got {p}: per-parameter 0- and "
+                "negative norms are not supported; call grad_norm(norm_type) without it"
+            )
         if group is None:
             vec = replay(("per_param", p), lambda: self.finished(self.local(p), p)).clone()
             return self.split(vec, p, self.names, self.counted)

@@ -135,8 +135,12 @@ class FlatGradBuffers:
         # Built once: the hot path walks buffers, never parameters.
         self._norm_groups = views(lambda b: b.norm_spans)
         self._scale_groups = views(lambda b: b.scale_spans)
+        # One view per counted parameter, no padding: read only by norms with p <= 0.
+        exact = views(lambda b: [s.span for s in b.slots if s.counted])
         # Replays norm/clip as CUDA graphs after the first calls (buffers/graphs.py).
-        self._norm_clip = NormClip(self._norm_groups, self._scale_groups, self.device, options)
+        self._norm_clip = NormClip(
+            self._norm_groups, self._scale_groups, self.device, options, exact_groups=exact
+        )
         self._norm_padding = sum(
             n for b in self.plan.buffers.values() for n in b.padding_in.values()
         )
@@ -268,7 +272,8 @@ class FlatGradBuffers:
         The positional arguments are those of ``torch.nn.utils.get_total_norm``.
 
         Args:
-            norm_type: p > 0, or ``inf``.
+            norm_type: any number or +-inf, as torch's (0 and p < 0 too; see
+                :func:`buffers.ops.check_torch_norm_type`).
             error_if_nonfinite: raise if the norm is NaN or inf (this one check syncs).
             foreach: accepted for torch's argument order; each buffer is always one fused
                 launch. None or a bool.
@@ -289,7 +294,7 @@ class FlatGradBuffers:
         gradient is read.
         """
         _check_call_args(error_if_nonfinite, foreach, group, per_param)
-        p = ops.check_norm_type(norm_type)
+        p = ops.check_torch_norm_type(norm_type)
         self._check_bound()
         result = self._norm(p, group, per_param)
         if error_if_nonfinite:
@@ -358,7 +363,8 @@ class FlatGradBuffers:
             max_norm: the norm to clip to, >= 0, any size (``inf``, or beyond the
                 statistic's dtype, never clips); a tensor is read to the host once
                 (``float()``). Negative or NaN: ``ValueError``.
-            norm_type: p > 0, or ``inf``.
+            norm_type: any number or +-inf, as torch's (0 and p < 0 too; see
+                :func:`buffers.ops.check_torch_norm_type`).
             error_if_nonfinite: raise if the norm is NaN or inf (this one check syncs).
             foreach: accepted for torch's argument order; unused (None or a bool).
             group: keyword-only: a ``torch.distributed.ProcessGroup`` to reduce over, or
@@ -376,7 +382,7 @@ class FlatGradBuffers:
         """
         _check_call_args(error_if_nonfinite, foreach, group, per_param)
         max_norm = ops.check_max_norm(max_norm)
-        p = ops.check_norm_type(norm_type)
+        p = ops.check_torch_norm_type(norm_type)
         self._check_bound()
         if not (error_if_nonfinite or per_param):
             if group is None:
@@ -420,7 +426,7 @@ class FlatGradBuffers:
         ops.check_group(group)
         ops.check_flag(fold, "fold")
         max_norm = ops.check_max_norm(max_norm)
-        p = ops.check_norm_type(norm_type)
+        p = ops.check_torch_norm_type(norm_type)
         self._check_bound()
         self._check_optimizer_params(optimizer)
         if not (fold and self._can_fold(optimizer)):

@@ -113,3 +113,56 @@ def test_all_reduce_stat_keeps_each_stats_dtype(one_rank_gloo, p):
     for dtype, value in ((torch.float64, 1e300), (torch.float32, 3.0)):
         got = ops.all_reduce_stat(torch.tensor(value, dtype=dtype), p, one_rank_gloo)
         assert got.dtype == dtype and got.item() == value
+
+
+# --- the CPU path: cache-sized pieces on one thread, fp32 accuracy -----------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("p", [2.0, 1.0])
+def test_cpu_power_sum_of_few_long_and_many_short_views_within_2e7_of_fp64(dtype, p):
+    # Values drawn in fp32 (most of which bf16/fp16 cannot hold exactly; the tensors store
+    # their rounded values, which the fp64 reference reads), spread over six decades.
+    gen = torch.Generator().manual_seed(23)
+    lengths = [1_500_000, 700_001, *torch.randint(1, 300, (2000,), generator=gen).tolist()]
+    views = [
+        (torch.randn(n, generator=gen) * 10.0 ** torch.randint(-3, 3, (n,), generator=gen)).to(
+            dtype
+        )
+        for n in lengths
+    ]
+    got = ops.TorchBackend().power_sum(views, p)
+    assert got.dtype == torch.float32
+    assert got.item() == pytest.approx(fp64_power_sum(views, p), rel=2e-7)
+
+
+def test_cpu_power_sum_same_at_any_thread_count_and_restores_it():
+    gen = torch.Generator().manual_seed(5)
+    views = [torch.randn(1_200_000, generator=gen).bfloat16(), torch.randn(77, generator=gen)]
+    views[1] = views[1].bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = ops.TorchBackend().power_sum(views, 2.0)
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        one = ops.TorchBackend().power_sum(views, 2.0)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)  # one thread either way: the same bits
+    assert one.item() == pytest.approx(fp64_power_sum(views, 2.0), rel=2e-7)
+
+
+def test_single_thread_restores_the_thread_count_after_an_error():
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("single_thread() changes the thread count only with OpenMP")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(RuntimeError, match="boom"), ops.single_thread():
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("boom")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

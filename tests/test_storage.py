@@ -223,8 +223,8 @@ def test_bad_inputs_name_the_parameter():
         FlatGradBuffers([ok, torch.nn.Parameter(torch.zeros(2).to(torch.float8_e4m3fn))])
     with pytest.raises(TypeError, match="params\\[0\\] is a str"):
         FlatGradBuffers(["w"])
-    with pytest.raises(ValueError, match="norm_type"):
-        FlatGradBuffers([]).grad_norm(-1)
+    with pytest.raises(ValueError, match="norm_type"):  # torch's p < 0 is accepted; NaN is not
+        FlatGradBuffers([]).grad_norm(math.nan)
 
 
 @pytest.mark.cuda
