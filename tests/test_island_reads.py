@@ -34,7 +34,10 @@ from megatron_ext.param_norms import MegatronParamNorms
 from tests.test_megatron_distopt_ranks import BF16, FP32, child_for_rank
 from tests.test_megatron_param_norms import reduce_ranks
 
-SCALE = 1024.0
+# A loss scale that is not a power of two (a static bf16 loss_scale can be any number):
+# unscaled, the island's fp32 gradients are values bf16 cannot hold, so a dtype slip on the
+# island path (an island copy staged or read in bf16) changes what is read.
+SCALE = 1000.0
 ISLAND = ("bf16.1", "bf16.3", "fp32.1")  # what a pattern such as "*fc2*" would match
 
 
