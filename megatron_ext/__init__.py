@@ -12,8 +12,10 @@ or build all three in one call, the two configs agreeing on the distributed opti
 """
 
 from . import seam
+from .notices import import_notices_hidden
 
-seam.check()  # the installed megatron-core against every touch point, before any is used
+with import_notices_hidden():  # megatron-core's notices about its own fallbacks (notices.py)
+    seam.check()  # the installed megatron-core against every touch point, before any is used
 
 from .config import DistributedDataParallelConfig
 from .ddp import DistributedDataParallel, LayoutMismatchError

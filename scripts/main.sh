@@ -33,9 +33,7 @@ source "$root/scripts/setup_env.sh"
 cd "$root"
 out=${OUT:-bench-out}  # the scripts' own default too; they hide megatron-core's known notices
 echo "== the bug: the norm of a mixed bf16/fp32 gradient list, stock megatron-core vs ours"
-# megatron-core's import notices (docs/megatron-core.md) are hidden, as the benchmarks hide them
-"$PY" -W "ignore:Transformer Engine and Apex are not installed" \
-    -W "ignore:absl.logging is not installed" -m megatron_ext.mixed_list_demo
+"$PY" -m megatron_ext.mixed_list_demo  # megatron_ext hides megatron-core's import notices
 echo
 echo "== demo: a mixed bf16/fp32 model trained with FlatGradBuffers"
 "$PY" -m buffers.demo "$@"

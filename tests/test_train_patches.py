@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,14 @@ def megatron_parse(monkeypatch):
         from megatron.training.arguments import parse_and_validate_args
 
         monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *RECIPE, *flags])
-        args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+        monkeypatch.setenv("RANK", "0")  # as torchrun sets it; megatron-core warns without
+        with warnings.catch_warnings():
+            # the recipe's --tokenizer-type overrides pretrain_gpt.py's default, as it does
+            # on the GPU, and Megatron-LM says so
+            warnings.filterwarnings(
+                "ignore", r"Overriding default arguments for tokenizer_type", UserWarning
+            )
+            args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
         return args, installed[-1]
 
     yield parse
