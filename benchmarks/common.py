@@ -138,6 +138,7 @@ SCRIPTS = (
     "offload_step.py",
     "clip_step.py",
     "train_step.py",
+    "cpu_norm.py",
 )
 
 

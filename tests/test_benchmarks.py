@@ -272,7 +272,9 @@ def test_noise_line_gives_the_median_and_worst_spread_and_the_ratio_that_is_nois
 
 # --- every script: --help, where it runs from, where it writes, what it says --------------
 
-SCRIPTS = ("norm_clip", "memory", "offload", "offload_step", "clip_step", "train_step")
+SCRIPTS = (
+    "norm_clip", "memory", "offload", "offload_step", "clip_step", "train_step", "cpu_norm"
+)  # fmt: skip
 HELPERS = ("common", "inventories", "norm_clip_variants", "memory_ddp", "isolation")
 NOTICES = ("Transformer Engine and Apex", "absl.logging", "CUDA_HOME")
 
@@ -770,3 +772,33 @@ def test_memory_ddp_stock_failure_is_its_row(monkeypatch):
     assert fields["error"] == "RuntimeError: fault injected by BENCHMARKS_STOCK_FAULT"
     assert isolation.status(fields["error"]) == f"failed ({fields['error']})"
     assert isolation.status(None) == "ok"
+
+
+def test_cpu_norm_rows_and_accuracy(tmp_path):
+    script = load_script("cpu_norm")
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--numel", "30000", "--small", "40x64"]
+    argv += ["--threads", "1", "--busy", "0,1", "--dtypes", "bfloat16", "--rounds", "2"]
+    records = script.main(argv + ["--reps", "1", "--warmup", "0"])
+    written = read_outputs(tmp_path, "cpu_norm")
+    assert [(w["op"], w["time_s"]) for w in written] == [(r["op"], r["time_s"]) for r in records]
+    keys = {(r["inventory"], r["busy"], r["variant"], r["op"]) for r in records}
+    ops = {("ours", "norm"), ("torch", "norm"), ("ours", "clip"), ("torch", "clip")}
+    ops.add(("ours", "first"))
+    assert keys == {(i, b, v, o) for i in script.INVENTORIES for b in (0, 1) for v, o in ops}
+    for r in records:
+        assert "error" not in r, r
+        assert r["time_s"] > 0 and len(r["time_rounds_s"]) == 2
+        assert (r.get("ratio") is not None) == (r["variant"] == "ours")
+        if r["op"] == "norm" and r["variant"] == "ours":
+            assert abs(r["rel_err"]) < 2e-7  # fp32 accumulation; torch's is bf16's
+    assert {r["num_params"] for r in records} == {150, 40}
+
+
+def test_cpu_norm_refuses_cuda_and_bad_small(monkeypatch):
+    script = load_script("cpu_norm")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(SystemExit, match="measures the CPU path"):
+        script.main(["--device", "cuda"])
+    with pytest.raises(SystemExit):
+        script.main(["--device", "cpu", "--small", "many"])

@@ -1,0 +1,277 @@
+"""CPU norm and clip: FlatGradBuffers against torch, idle and with the cores busy.
+
+The CPU path of ``FlatGradBuffers.grad_norm`` / ``clip_grad_norm_`` against torch's
+``torch.nn.utils.get_total_norm`` and ``clip_grad_norm_(foreach=True)`` over the same
+gradients (two copies: each side clips its own), at each ``--threads`` count
+(``torch.set_num_threads``), with ``--busy`` other processes spinning on the cores
+(``while True: pass``, started before and killed after each configuration). Inventories:
+``few_large`` (``--numel`` elements in 150 parameters) and ``many_small`` (``--small``:
+3000 parameters of 4096 elements), in each ``--dtypes``.
+
+Times are wall-clock (``perf_counter``: a stall while the cores are taken is what is
+measured), each the fastest of ``--rounds`` interleaved rounds' medians. ``first`` is the
+first ``grad_norm`` of a freshly built ``FlatGradBuffers`` (one call per round, each over
+new parameters holding the same gradients). Clips use ``max_norm=0``: the coefficient is
+0 at every call, so the scale always runs (a clip whose coefficient is 1 skips it).
+Accuracy: each side's norm of the random gradients against an fp64 norm of the same
+values.
+
+Record fields: inventory, dtype, num_params, numel, threads, busy, variant (ours, torch),
+op (norm, clip, first), rounds, time_s, time_spread, time_rounds_s, ratio (ours / torch for
+norm and clip; first / ours' steady norm for first), rel_err (norm only), error, error_at.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, find the repo
+
+import torch  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from buffers import FlatGradBuffers  # noqa: E402
+
+NAME = "cpu_norm"
+INVENTORIES = ("few_large", "many_small")
+LARGE_PARAMS = 150
+
+
+def parse_args(argv: list[str] | None):
+    ap = common.base_parser(__doc__.splitlines()[0])
+    ap.add_argument(
+        "--threads",
+        default="1,2",
+        help="comma-separated torch thread counts to run at (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--busy",
+        default="0,2",
+        help="comma-separated numbers of busy-looping processes running during the timing "
+        "(default: %(default)s)",
+    )
+    ap.add_argument(
+        "--dtypes",
+        default="bfloat16,float32",
+        help="comma-separated gradient dtypes (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--inventories",
+        default=",".join(INVENTORIES),
+        help=f"comma-separated, of {', '.join(INVENTORIES)} (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--numel",
+        type=int,
+        default=52_000_000,
+        help=f"elements of few_large, in {LARGE_PARAMS} parameters (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--small",
+        default="3000x4096",
+        help="many_small: PARAMETERSxELEMENTS, elements per parameter (default: %(default)s)",
+    )
+    args = ap.parse_args(argv)
+    try:
+        count, each = (int(v) for v in args.small.split("x"))
+    except ValueError:
+        ap.error(f"--small: expected COUNTxELEMENTS such as 3000x4096, got {args.small!r}")
+    args.small = (count, each)
+    return args
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _params(inventory: str, args, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    if inventory == "few_large":
+        n, each = LARGE_PARAMS, max(1, args.numel // LARGE_PARAMS)
+    else:
+        n, each = args.small
+    return [torch.nn.Parameter(torch.empty(each, dtype=dtype)) for _ in range(n)]
+
+
+class Busy:
+    """``count`` processes spinning on the CPU while the block runs."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self):
+        for _ in range(self.count):
+            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        if self.procs:
+            time.sleep(0.3)  # let them start spinning
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+
+
+def _timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _measure(fn, warmup: int, reps: int):
+    """A measure for :func:`common.interleave`: warm up in round 0, then time ``reps``."""
+
+    def run(round_index: int) -> float:
+        if round_index == 0:
+            for _ in range(warmup):
+                fn()
+        return _timed(fn, reps)
+
+    return run
+
+
+def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, rounds: int):
+    """Every record of one inventory and dtype, at every thread count and busy count."""
+    gen = torch.Generator().manual_seed(0)
+    ours = _params(inventory, args, dtype)
+    theirs = _params(inventory, args, dtype)
+    fgb = FlatGradBuffers(ours)
+    for p, q in zip(ours, theirs, strict=True):
+        p.grad.copy_(torch.randn(p.shape, generator=gen))
+        q.grad = p.grad.clone()
+    grads = [q.grad for q in theirs]
+    ref = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])).item()
+    rel_err = {
+        "ours": fgb.grad_norm().item() / ref - 1,
+        "torch": torch.nn.utils.get_total_norm(grads).float().item() / ref - 1,
+    }
+
+    def fresh_first(_round: int) -> float:
+        params = _params(inventory, args, dtype)
+        fresh = FlatGradBuffers(params)
+        for p, q in zip(params, ours, strict=True):
+            p.grad.copy_(q.grad)
+        t = time.perf_counter()
+        fresh.grad_norm()
+        return time.perf_counter() - t
+
+    calls = {
+        ("ours", "norm"): fgb.grad_norm,
+        ("torch", "norm"): lambda: torch.nn.utils.get_total_norm(grads),
+        ("ours", "clip"): lambda: fgb.clip_grad_norm_(0.0),
+        ("torch", "clip"): lambda: torch.nn.utils.clip_grad_norm_(theirs, 0.0, foreach=True),
+    }
+    records = []
+    saved = torch.get_num_threads()
+    try:
+        for threads in _ints(args.threads):
+            torch.set_num_threads(threads)
+            for busy in _ints(args.busy):
+                measures = {key: _measure(fn, warmup, reps) for key, fn in calls.items()}
+                measures[("ours", "first")] = fresh_first
+                with Busy(busy):
+                    results, errors = common.interleave(measures, rounds)
+                base = {
+                    "inventory": inventory,
+                    "dtype": dtype,
+                    "num_params": len(ours),
+                    "numel": sum(p.numel() for p in ours),
+                    "threads": threads,
+                    "busy": busy,
+                    "rounds": rounds,
+                }
+                rows = {}
+                for key in measures:
+                    rec = {**base, "variant": key[0], "op": key[1]}
+                    if key in results:
+                        rec.update(common.round_fields("time", results[key]))
+                    else:
+                        rec.update(common.error_fields(errors[key]))
+                    if key[1] == "norm":
+                        rec["rel_err"] = rel_err[key[0]]
+                    rows[key] = rec
+                for (variant, op), rec in rows.items():
+                    other = ("torch", op) if op != "first" else ("ours", "norm")
+                    if variant == "ours" and "time_s" in rec and "time_s" in rows[other]:
+                        rec["ratio"] = rec["time_s"] / rows[other]["time_s"]
+                records += rows.values()
+    finally:
+        torch.set_num_threads(saved)
+    return records
+
+
+COLUMNS = [
+    common.Column("inventory", "inventory"),
+    common.Column("dtype", "dtype", lambda d: str(d).removeprefix("torch.")),
+    common.Column("thr", "threads", meaning="torch threads"),
+    common.Column("busy", "busy", meaning="busy-looping processes during the timing"),
+    common.Column("variant", "variant"),
+    common.Column("op", "op"),
+    common.Column("ms", "time_s", common.show_ms, "fastest round's median, wall clock"),
+    common.Column("spread", "time_spread", lambda v: f"{v:.0%}", "(slowest-fastest)/fastest"),
+    common.Column(
+        "ratio", "ratio", lambda v: f"{v:.2f}", "ours/torch; for first: first/steady norm"
+    ),
+    common.Column("rel_err", "rel_err", lambda v: f"{v:.1e}", "norm against fp64"),
+]
+
+
+def plot(records: list[dict], out: Path, title: str) -> None:
+    fig, (ax,) = common.new_figure(1, width=9.0)
+    rows = [r for r in records if r.get("ratio") is not None and r["op"] != "first"]
+    labels = [
+        f"{r['inventory']} {str(r['dtype']).removeprefix('torch.')} t{r['threads']} "
+        f"b{r['busy']} {r['op']}"
+        for r in rows
+    ]
+    ax.barh(range(len(rows)), [r["ratio"] for r in rows])
+    ax.set_yticks(range(len(rows)), labels, fontsize=6)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("ours / torch time (below 1: ours faster)")
+    common.save_figure(fig, out, NAME, title)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    device = common.resolve_device(args.device)
+    if device.type != "cpu":
+        raise SystemExit("benchmarks/cpu_norm.py measures the CPU path: use --device cpu")
+    warmup, reps = common.repeats(args, device)
+    rounds = common.rounds(args, device)
+    per_round = common.per_round(reps, rounds)
+    title = common.run_title(device)
+    print(title)
+    records = []
+    for inventory in [i for i in args.inventories.split(",") if i]:
+        if inventory not in INVENTORIES:
+            raise SystemExit(f"--inventories: unknown {inventory!r}; known: {INVENTORIES}")
+        for name in [d for d in args.dtypes.split(",") if d]:
+            dtype = getattr(torch, name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise SystemExit(f"--dtypes: {name!r} is not a torch dtype")
+            records += measure(inventory, dtype, args, warmup, per_round, rounds)
+    print(common.format_table(records, COLUMNS))
+    spreads = {
+        f"{r['inventory']}/{r['dtype']}/{r['threads']}/{r['busy']}/{r['variant']}/{r['op']}": r[
+            "time_spread"
+        ]
+        for r in records
+        if "time_spread" in r
+    }
+    print(common.noise_line(spreads, rounds, device))
+    common.write_json(records, args.out, NAME)
+    plot(records, args.out, title)
+    return records
+
+
+if __name__ == "__main__":
+    main()
