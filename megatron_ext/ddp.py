@@ -52,13 +52,13 @@ class DistributedDataParallel(_MCoreDDP):
       check with one small collective that they computed the same one.
 
     Raises RuntimeError in one line, before megatron-core runs, when torch sees no CUDA GPU,
-    or (:class:`~megatron_ext.wgrad_fusion.MissingFusionKernelError`) when ``config`` turns on
-    ``gradient_accumulation_fusion`` for megatron-core linear layers without apex's kernel.
+    or (:class:`~megatron_ext.wgrad_fusion.MissingFusionKernelError`) when a megatron-core
+    linear layer of ``module`` fuses weight-gradient accumulation without apex's kernel.
     """
 
     def __init__(self, config, ddp_config, module: torch.nn.Module, *args, **kwargs) -> None:
         require_cuda()
-        wgrad_fusion.check_module(config, module)
+        wgrad_fusion.check_module(module)
         enabled = bool(getattr(ddp_config, "per_dtype_grad_buffers", False))
         if enabled:
             cast_marked_to_fp32(module)

@@ -143,10 +143,10 @@ ENTRIES: tuple[Entry, ...] = (
           "megatron-core 0.19 casts every parameter to bf16/fp16",
           params=("config", "module")),
     *(Entry(layer, f"megatron.core.tensor_parallel:{layer}", "read",
-            "isinstance only: whether the module holds megatron-core's own linear layers",
+            "whether the module holds megatron-core's own linear layers built with the fusion on",
             "with gradient_accumulation_fusion they call apex's fused_weight_gradient_mlp_cuda; "
             "without it the DDP refuses the module in one line (wgrad_fusion.py)",
-            kind="class")
+            kind="class", attrs=("gradient_accumulation_fusion",))
       for layer in ("ColumnParallelLinear", "RowParallelLinear")),
     # -- optimizer construction -------------------------------------------------------------
     Entry("OptimizerConfig", "megatron.core.optimizer:OptimizerConfig", "call",

@@ -1,4 +1,4 @@
-"""``gradient_accumulation_fusion`` without apex: refused in one line, before anything is built.
+"""``gradient_accumulation_fusion`` without apex: refused in one line, before the buffers are built.
 
 With ``gradient_accumulation_fusion=True`` in the ``TransformerConfig``, megatron-core's own
 linear layers (``ColumnParallelLinear``, ``RowParallelLinear``, e.g. a GPT's output layer,
@@ -42,19 +42,25 @@ def message(turn_off: str, layer: str | None = None) -> str:
     )
 
 
-def check_module(transformer_config, module: torch.nn.Module) -> None:
-    """Refuse ``module`` when its config fuses weight-gradient accumulation, the kernel is
-    absent and a megatron-core linear layer would call it.
+def check_module(module: torch.nn.Module) -> None:
+    """Refuse ``module`` when apex's kernel is absent and one of its megatron-core linear
+    layers was built with ``gradient_accumulation_fusion`` on (the layer's own attribute,
+    which its forward passes on: transformer-engine layers fused beside megatron-core layers
+    built unfused pass).
 
     Raises:
-        MissingFusionKernelError: one line naming the kernel and what to do.
+        MissingFusionKernelError: one line naming the kernel, a layer and what to do.
     """
-    if not getattr(transformer_config, "gradient_accumulation_fusion", False):
-        return
     if fusion_kernel_available():
         return
-    layers = tuple(map(seam.target, ("ColumnParallelLinear", "RowParallelLinear")))
-    found = next((n for n, m in module.named_modules() if isinstance(m, layers)), None)
-    if found is not None:
-        turn_off = "set gradient_accumulation_fusion=False in the TransformerConfig"
-        raise MissingFusionKernelError(message(turn_off, found or type(module).__name__))
+    for name, layer in module.named_modules():
+        entry = next((e for e in LAYER_ENTRIES if isinstance(layer, seam.target(e))), None)
+        if entry is None:
+            continue
+        seam.check_instance(entry, layer)
+        if layer.gradient_accumulation_fusion:
+            turn_off = "set gradient_accumulation_fusion=False in the TransformerConfig"
+            raise MissingFusionKernelError(message(turn_off, name or type(module).__name__))
+
+
+LAYER_ENTRIES = ("ColumnParallelLinear", "RowParallelLinear")  # seam entries

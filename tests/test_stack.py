@@ -251,11 +251,12 @@ def test_the_option_builds_layouts_and_flat_norm_optimizers(mcore_constructors):
     assert built.optimizer.name == "flat" and built.optimizer.inner is inner
 
 
-def _megatron_core_linear(cls):
-    """An instance of megatron-core's linear layer class (its constructor needs process
-    groups); only its type matters to the check."""
+def _megatron_core_linear(cls, fused: bool):
+    """An instance of megatron-core's linear layer class as its constructor leaves the
+    attribute its forward reads (the constructor needs process groups)."""
     layer = cls.__new__(cls)
     torch.nn.Module.__init__(layer)
+    layer.gradient_accumulation_fusion = fused
     return layer
 
 
@@ -268,24 +269,22 @@ def test_fusion_without_apexs_kernel_and_a_megatron_core_linear_is_refused_in_on
     from megatron_ext import wgrad_fusion
 
     monkeypatch.setattr(wgrad_fusion, "fusion_kernel_available", lambda: False)
-    fused = SimpleNamespace(bf16=True, fp16=False, gradient_accumulation_fusion=True)
-    module = torch.nn.ModuleDict(
-        {
-            "te_layer": torch.nn.Linear(2, 2),
-            "output_layer": _megatron_core_linear(getattr(tensor_parallel, layer)),
-        }
-    )
+    config = SimpleNamespace(bf16=True, fp16=False, gradient_accumulation_fusion=True)
+
+    def model(fused: bool):
+        linear = _megatron_core_linear(getattr(tensor_parallel, layer), fused)
+        return torch.nn.ModuleDict({"te_layer": torch.nn.Linear(2, 2), "output_layer": linear})
+
     with pytest.raises(megatron_ext.MissingFusionKernelError) as exc:
-        megatron_ext.build_stack(module, fused)
+        megatron_ext.build_stack(model(fused=True), config)
     message = str(exc.value)
     assert "\n" not in message and "fused_weight_gradient_mlp_cuda" in message
     assert "gradient_accumulation_fusion=False" in message and "'output_layer'" in message
     assert mcore_constructors.ddp == [] and mcore_constructors.factory == []
-    # what still builds: the fusion off; transformer-engine's layers alone (they fuse without
-    # apex); the kernel installed
-    unfused = SimpleNamespace(bf16=True, fp16=False, gradient_accumulation_fusion=False)
-    megatron_ext.build_stack(module, unfused)
-    megatron_ext.build_stack(torch.nn.Sequential(torch.nn.Linear(2, 2)), fused)
+    # what still builds: megatron-core's layer built unfused beside (transformer-engine's)
+    # fused ones; no megatron-core layer at all; the kernel installed
+    megatron_ext.build_stack(model(fused=False), config)
+    megatron_ext.build_stack(torch.nn.Sequential(torch.nn.Linear(2, 2)), config)
     monkeypatch.setattr(wgrad_fusion, "fusion_kernel_available", lambda: True)
-    megatron_ext.build_stack(module, fused)
+    megatron_ext.build_stack(model(fused=True), config)
     assert len(mcore_constructors.ddp) == 3
