@@ -7,7 +7,7 @@
 # megatron_lm (tests/gpu/test_megatron_lm_gpu.py, -k "$MEGATRON_LM_K"; scripts from
 # .megatron-lm/ unless MEGATRON_LM_PATH is set), pytest (the files in PYTEST_ARGS, with
 # -k "$PYTEST_K"), te (transformer-engine into /tmp/site: scripts/install_te.sh over the parts
-# stashed so far and the carried .te/deps, see docs/testing.md; put it before the steps that
+# stashed so far and the transferred .te/deps, see docs/testing.md; put it before the steps that
 # need TE). NORM_CLIP_ARGS replaces norm_clip's extra args.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
