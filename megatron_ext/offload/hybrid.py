@@ -52,6 +52,7 @@ from .plan import MirrorLayout, copy_schedule, mirror_layout
 from .step import (
     DEFAULT_CHUNK_NUMEL,
     DEFAULT_COMPUTE_NUMEL,
+    MOMENT_DTYPES,
     ChunkedAdamW,
     Entry,
     chunk_spans,
@@ -102,8 +103,12 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     # torch intra-op threads during the step (the CPU update's); None: leave torch's setting
     cpu_threads: int | None = None
     compute_numel: int = DEFAULT_COMPUTE_NUMEL  # sub-ranges of a chunk (ChunkedAdamW)
+    # the dtypes of the chunked step's Adam moments (megatron-core's exp_avg_dtype and
+    # exp_avg_sq_dtype with the precision-aware optimizer; its per-parameter step keeps fp32)
+    moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
     _chunked: tuple | None = None
     _torn: str | None = None  # why the chunked step refuses to run (a step failed part way)
+    _fallback_warned = False
 
     def _get_sub_optimizer_param_groups(self, offload_fraction):
         if self._reused_placement is not None:
@@ -257,7 +262,12 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             )
             steppers.append(
                 ChunkedAdamW(
-                    m.host_params, m.cpu_grads, entries, [r for _, r in runs], self.compute_numel
+                    m.host_params,
+                    m.cpu_grads,
+                    entries,
+                    [r for _, r in runs],
+                    self.compute_numel,
+                    tuple(self.moment_dtypes),
                 )
             )
             copies += chunk_copies(m, runs)
@@ -289,11 +299,19 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         if not self.chunked_step or closure is not None:
             self._refuse_if_lean("chunked_step is off" if closure is None else "a closure")
             return super().step(closure)
-        sizes = (self.chunk_numel, self.compute_numel)
+        sizes = (self.chunk_numel, self.compute_numel, tuple(self.moment_dtypes))
         if self._chunked_for != sizes:
             self._chunked, self._chunked_for = self._build_chunked(), sizes
         if self._chunked is None:
             self._refuse_if_lean(self.chunked_step_off)
+            if set(self.moment_dtypes) != {torch.float32} and not self._fallback_warned:
+                self._fallback_warned = True
+                warnings.warn(
+                    f"the chunked offload step cannot run ({self.chunked_step_off}): the "
+                    "per-parameter step keeps the Adam moments in fp32, not "
+                    f"{self.moment_dtypes}",
+                    stacklevel=3,
+                )
             return super().step(closure)
         if self._torn is not None:
             raise RuntimeError(self._torn)
@@ -440,18 +458,27 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         chunked step has been built, also its host bytes per buffer: ``moment_bytes`` (the
         flat AdamW moments, 0 before the first step; per-parameter optimizers hold the same
         minus the padding between parameters, ``moment_padding_bytes``) and
-        ``scratch_bytes`` (the reused fp32 gradient scratch)."""
+        ``scratch_bytes`` (the reused fp32 scratch: gradients, and narrow moments widened),
+        ``moment_dtypes``."""
         stats = [m.stats() for m in self.host_mirrors]
         if self._chunked is not None:
             for row, stepper in zip(stats, self._chunked[0], strict=True):
                 flat = stepper.host_params
                 params = sum(e.local.numel for e in stepper.entries)
                 allocated = stepper.exp_avg is not None
-                row["moment_bytes"] = 2 * flat.numel() * flat.element_size() if allocated else 0
-                row["moment_padding_bytes"] = (
-                    2 * (flat.numel() - params) * flat.element_size() if allocated else 0
+                per_element = sum(
+                    torch.empty((), dtype=d).element_size() for d in stepper.moment_dtypes
                 )
-                row["scratch_bytes"] = stepper.scratch.numel() * stepper.scratch.element_size()
+                row["moment_bytes"] = flat.numel() * per_element if allocated else 0
+                row["moment_padding_bytes"] = (
+                    (flat.numel() - params) * per_element if allocated else 0
+                )
+                row["moment_dtypes"] = stepper.moment_dtypes
+                row["scratch_bytes"] = sum(
+                    t.numel() * t.element_size()
+                    for t in (stepper.scratch, *stepper.moment_scratch)
+                    if t is not None
+                )
         return stats
 
 
@@ -489,6 +516,45 @@ def threads_warning(threads: int | None) -> str | None:
         "megatron_ext.MegatronOptions(offload_threads=N), N about the cores per rank on "
         "this host, or set OMP_NUM_THREADS"
     )
+
+
+def offload_moment_dtypes(config, chunked_step: bool) -> tuple[torch.dtype, torch.dtype]:
+    """The dtypes of the offloaded Adam moments: megatron-core's ``exp_avg_dtype`` and
+    ``exp_avg_sq_dtype`` with the precision-aware optimizer and the chunked step, else fp32.
+
+    megatron-core's ``HybridDeviceOptimizer`` ignores them (its CPU AdamW keeps fp32); the
+    per-parameter step still does, with a warning. ``main_params_dtype`` other than fp32 is
+    not honoured by either step (warned: the host master weights stay fp32).
+    """
+    fp32 = torch.float32
+    if not getattr(config, "use_precision_aware_optimizer", False):
+        return (fp32, fp32)
+    asked = (getattr(config, "exp_avg_dtype", fp32), getattr(config, "exp_avg_sq_dtype", fp32))
+    main = getattr(config, "main_params_dtype", fp32)
+    if main != fp32:
+        warnings.warn(
+            f"main_params_dtype={main} is not honoured by the CPU-offloaded optimizer step: "
+            "its master weights on the host stay fp32",
+            stacklevel=3,
+        )
+    if asked == (fp32, fp32):
+        return asked
+    if not chunked_step:
+        warnings.warn(
+            f"exp_avg_dtype={asked[0]} / exp_avg_sq_dtype={asked[1]} are not honoured by the "
+            "per-parameter CPU-offloaded step (torch's AdamW keeps fp32 moments on the host); "
+            "use MegatronOptions(offload_step='chunked') to keep them as asked",
+            stacklevel=3,
+        )
+        return (fp32, fp32)
+    kept = " or ".join(map(str, MOMENT_DTYPES))
+    for dtype in asked:
+        if dtype not in MOMENT_DTYPES:
+            raise ValueError(
+                f"the CPU-offloaded step keeps Adam moments in {kept}, not {dtype} "
+                "(OptimizerConfig exp_avg_dtype / exp_avg_sq_dtype)"
+            )
+    return asked
 
 
 def source_mirror(source: OffloadSource, offloaded, *, pin: bool, lean: bool = False):
@@ -659,6 +725,7 @@ def attach_host_mirrors(
     hdo.__class__ = HostMirrorHybridOptimizer
     hdo.chunked_step, hdo.chunk_numel = bool(chunked_step), int(chunk_numel)
     hdo.cpu_threads = threads
+    hdo.moment_dtypes = offload_moment_dtypes(child.config, chunked_step)
     if hdo.cpu_param_groups:
         warning = threads_warning(threads)
         if warning:

@@ -40,6 +40,10 @@ DEFAULT_COMPUTE_NUMEL = 2**20
 # gives every element the code path it has in the whole parameter: results stay bit-equal.
 CUT_QUANTUM = 64
 
+# Adam moment dtypes the step keeps on the host (megatron-core's exp_avg_dtype and
+# exp_avg_sq_dtype; narrower ones are widened to fp32 for the fused call)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def chunk_spans(
     blocks: Sequence[Span],
@@ -118,6 +122,8 @@ class _SubRange:
     # (family, parameters, gradients, exp_avg, exp_avg_sq, next steps)
     calls: tuple[tuple[int, list, list, list, list, list], ...]
     pack: tuple[torch.Tensor, torch.Tensor] | None  # (staging, host parameters)
+    # narrow moments: (fp32 scratch, flat moment) widened before the calls, narrowed after
+    moments: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
 class ChunkedAdamW:
@@ -145,6 +151,11 @@ class ChunkedAdamW:
         chunks: runs of mirror coordinates covering the parameters, in update order (what
             one device copy each way moves).
         compute_numel: the sub-range length aimed at (cut as :func:`chunk_spans` cuts).
+        moment_dtypes: the dtypes ``exp_avg`` and ``exp_avg_sq`` are kept in
+            (:data:`MOMENT_DTYPES`). A bf16 moment is widened to fp32 for the fused call and
+            rounded back to nearest even after it, as transformer-engine's ``FusedAdam``
+            does on the GPU with megatron-core's ``exp_avg_dtype=torch.bfloat16``: 2 bytes
+            per element instead of 4, read and written once per step.
     """
 
     def __init__(
@@ -154,7 +165,17 @@ class ChunkedAdamW:
         entries: Sequence[Entry],
         chunks: Sequence[Span],
         compute_numel: int = DEFAULT_COMPUTE_NUMEL,
+        moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
     ):
+        for dtype in moment_dtypes:
+            if dtype not in MOMENT_DTYPES:
+                raise ValueError(
+                    f"Adam moments in {dtype} are not supported by the offloaded step; "
+                    f"use one of {', '.join(map(str, MOMENT_DTYPES))}"
+                )
+        if host_params.dtype != torch.float32:
+            raise ValueError(f"the host parameters must be fp32, got {host_params.dtype}")
+        self.moment_dtypes = tuple(moment_dtypes)
         if cpu_grads is not None and (
             host_params.shape != cpu_grads.shape or host_params.dtype != cpu_grads.dtype
         ):
@@ -206,6 +227,12 @@ class ChunkedAdamW:
         # the entry whose optimizer group gives each family's hyperparameters
         self._family_entry = [self._family.index(f) for f in range(len(families))]
         self.scratch = torch.empty(longest, dtype=host_params.dtype)
+        # moments kept in a narrower dtype are widened into these for the fused call and
+        # rounded back (to nearest even) after, sub-range by sub-range
+        self.moment_scratch = tuple(
+            None if dtype == torch.float32 else torch.empty(longest, dtype=torch.float32)
+            for dtype in self.moment_dtypes
+        )
         self.exp_avg: torch.Tensor | None = None  # allocated at the first step, as torch does
         self.exp_avg_sq: torch.Tensor | None = None
         self.steps = torch.zeros(len(self.entries), dtype=torch.float32)
@@ -230,8 +257,8 @@ class ChunkedAdamW:
         Parameters whose state still holds this object's views are skipped by identity.
         """
         if self.exp_avg is None:
-            self.exp_avg = torch.zeros_like(self.host_params)
-            self.exp_avg_sq = torch.zeros_like(self.host_params)
+            self.exp_avg = torch.zeros_like(self.host_params, dtype=self.moment_dtypes[0])
+            self.exp_avg_sq = torch.zeros_like(self.host_params, dtype=self.moment_dtypes[1])
         for k, e in enumerate(self.entries):
             state = e.optimizer.state[e.param]
             bound = self._bound[k]
@@ -318,20 +345,35 @@ class ChunkedAdamW:
                         else cpu[a - span.start : b - span.start]
                     )
                     pieces.append((dst, stage[a - span.start : b - span.start]))
+            moments, read = [], []
+            for flat, wide in zip(
+                (self.exp_avg, self.exp_avg_sq), self.moment_scratch, strict=True
+            ):
+                if wide is None:
+                    read.append((flat, 0))
+                else:
+                    moments.append((wide[: sub.numel], self._flat(flat, sub)))
+                    read.append((wide, sub.start))
             calls: dict[int, tuple[list, ...]] = {}
             for k, s in inside:
                 lists = calls.setdefault(self._family[k], ([], [], [], [], []))
                 lists[0].append(self._flat(self.host_params, s))
                 lists[1].append(grads[s.start - origin : s.end - origin])
-                lists[2].append(self._flat(self.exp_avg, s))
-                lists[3].append(self._flat(self.exp_avg_sq, s))
+                for i, (t, at) in enumerate(read):
+                    lists[2 + i].append(t[s.start - at : s.end - at])
                 lists[4].append(self._next_views[k])
             pack = None
             if copies is not None:
                 dst, src = copies.pack
                 pack = (dst[sub.start - c0 : sub.end - c0], src[sub.start - c0 : sub.end - c0])
             plan.append(
-                _SubRange(into, tuple(pieces), tuple((f, *v) for f, v in calls.items()), pack)
+                _SubRange(
+                    into,
+                    tuple(pieces),
+                    tuple((f, *v) for f, v in calls.items()),
+                    pack,
+                    tuple(moments),
+                )
             )
         self._plans[chunk] = (copies, tuple(plan))
         return self._plans[chunk][1]
@@ -351,6 +393,8 @@ class ChunkedAdamW:
                 sub.convert[0].copy_(sub.convert[1])
             for dst, src in sub.islands:
                 dst.copy_(src)
+            for wide, narrow in sub.moments:
+                wide.copy_(narrow)
             for family, p, g, m, v, steps in sub.calls:
                 lr, beta1, beta2, wd, eps = hyper[family]
                 # a fused call that raises does so in its argument checks, before writing
@@ -359,5 +403,7 @@ class ChunkedAdamW:
                     weight_decay=wd, eps=eps, maximize=False, grad_scale=None, found_inf=None,
                 )  # fmt: skip
                 self.updated += 1
+            for wide, narrow in sub.moments:
+                narrow.copy_(wide)  # rounds to nearest even, as a GPU kernel storing bf16
             if sub.pack is not None:
                 sub.pack[0].copy_(sub.pack[1])
