@@ -23,6 +23,10 @@ Variants, same parameters, same run:
   in sub-ranges of ``--compute-numel`` elements convert, one fused call per hyperparameter
   set and pack (its ``cpu_update`` phase holds all three; ``convert`` and ``pack`` are 0),
   and its host-to-device copy on another stream.
+- ``chunked_device``: the same with ``MegatronOptions(offload_convert="device")``: fp32
+  crosses both ways, converted on the device, so the host runs only the fused AdamW over
+  the pinned fp32 gradients and parameters (twice the bus bytes of a bf16 buffer; its
+  ``d2h_bytes`` / ``h2d_bytes`` and the fp32 copy floors say how many).
 
 Each is measured two ways: ``overlapped`` (the step as it runs, end to end, device drained
 only before and after) and ``drained`` (each phase timed alone with the device drained
@@ -122,6 +126,12 @@ class Setup:
             params=self.params, params_coords=None, cpu_dtype=torch.float32, pin=cuda,
         )  # fmt: skip
         self.mirror.load_params()
+        self.wide = host_mirror.build_buffer_mirror(
+            "bf16", layout, owned_numel=numel, grads=self.grads, grads_coords=None,
+            params=self.params, params_coords=None, cpu_dtype=torch.float32, pin=cuda,
+            device_convert=True,
+        )  # fmt: skip
+        self.wide.load_params()
         local = [layout.local(s) for s in offloaded]
         # per_parameter: megatron-core's CPU optimizers, one per parameter, over mirror views
         self.views = []
@@ -141,6 +151,17 @@ class Setup:
             self.mirror.host_params,
             self.mirror.cpu_grads,
             entries,
+            [r for _, r in runs],
+            compute_numel,
+        )
+        # chunked_device: the same over the mirror that converts on the device
+        wide_views = [self.wide.host_params[s.start : s.end] for s in local]
+        self.wide_opts = [torch.optim.AdamW([p], fused=True, **ADAM) for p in wide_views]
+        self.wide_chunks = host_mirror.chunk_copies(self.wide, runs)
+        self.wide_stepper = ChunkedAdamW(
+            self.wide.host_params,
+            self.wide.cpu_grads,
+            [Entry(p, s, o, 0) for p, s, o in zip(wide_views, local, self.wide_opts, strict=True)],
             [r for _, r in runs],
             compute_numel,
         )
@@ -166,10 +187,12 @@ class Setup:
         d2h = self.mirror.stats()["d2h_bytes"]
         h2d = self.mirror.stats()["h2d_bytes"]
         self.d2h_bytes, self.h2d_bytes = d2h, h2d
-        self.dev_src = torch.ones(d2h, dtype=torch.uint8, device=device)
-        self.host_dst = torch.empty(d2h, dtype=torch.uint8, pin_memory=cuda)
-        self.host_src = torch.ones(h2d, dtype=torch.uint8, pin_memory=cuda)
-        self.dev_dst = torch.empty(h2d, dtype=torch.uint8, device=device)
+        self.wide_bytes = self.wide.stats()["d2h_bytes"]  # each way
+        most = max(d2h, h2d, self.wide_bytes)
+        self.dev_src = torch.ones(most, dtype=torch.uint8, device=device)
+        self.host_dst = torch.empty(most, dtype=torch.uint8, pin_memory=cuda)
+        self.host_src = torch.ones(most, dtype=torch.uint8, pin_memory=cuda)
+        self.dev_dst = torch.empty(most, dtype=torch.uint8, device=device)
 
     # -- the GPU-resident part, as megatron-core steps it -----------------------------------
     def gpu_update(self) -> None:
@@ -213,16 +236,22 @@ class Setup:
         self._finish()
 
     def chunked(self, timer) -> None:
+        self._chunked(timer, self.chunks, self.stepper)
+
+    def chunked_device(self, timer) -> None:
+        self._chunked(timer, self.wide_chunks, self.wide_stepper)
+
+    def _chunked(self, timer, chunks, stepper) -> None:
         cuda = self.device.type == "cuda"
         with timer("d2h"):
             if cuda:
                 self.d2h_stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.d2h_stream):
-                    for chunk, event in zip(self.chunks, self.events, strict=True):
+                    for chunk, event in zip(chunks, self.events, strict=True):
                         chunk.start_d2h()
                         event.record(self.d2h_stream)
             else:
-                for chunk in self.chunks:
+                for chunk in chunks:
                     chunk.start_d2h()
         if cuda:
             self.h2d_stream.wait_stream(torch.cuda.current_stream())
@@ -230,16 +259,16 @@ class Setup:
             with timer("gpu_update"):
                 self.gpu_update()
         with timer("cpu_update"):
-            self.stepper.begin()
-        for i, chunk in enumerate(self.chunks):
+            stepper.begin()
+        for i, chunk in enumerate(chunks):
             with timer("wait"):
                 if cuda:
                     self.events[i].synchronize()
             with timer("cpu_update"):  # convert, update and pack, per cache-sized sub-range
-                self.stepper.update(i, chunk)
+                stepper.update(i, chunk)
             with timer("h2d"):
                 self._h2d(chunk)
-        self.stepper.finish()
+        stepper.finish()
         self._finish()
 
     def _events(self):
@@ -264,10 +293,18 @@ class Setup:
         self.floor_opt.step()
 
     def d2h_floor(self) -> None:
-        self.host_dst.copy_(self.dev_src, non_blocking=True)
+        self.host_dst[: self.d2h_bytes].copy_(self.dev_src[: self.d2h_bytes], non_blocking=True)
 
     def h2d_floor(self) -> None:
-        self.dev_dst.copy_(self.host_src, non_blocking=True)
+        self.dev_dst[: self.h2d_bytes].copy_(self.host_src[: self.h2d_bytes], non_blocking=True)
+
+    def d2h_floor_fp32(self) -> None:
+        n = self.wide_bytes
+        self.host_dst[:n].copy_(self.dev_src[:n], non_blocking=True)
+
+    def h2d_floor_fp32(self) -> None:
+        n = self.wide_bytes
+        self.dev_dst[:n].copy_(self.host_src[:n], non_blocking=True)
 
 
 class Timer:
@@ -356,11 +393,15 @@ def measure(setup: Setup, rounds: int, warmup: int, reps: int) -> list[dict]:
     measures = {
         ("per_parameter", "overlapped"): variant("per_parameter", False),
         ("chunked", "overlapped"): variant("chunked", False),
+        ("chunked_device", "overlapped"): variant("chunked_device", False),
         ("per_parameter", "drained"): variant("per_parameter", True),
         ("chunked", "drained"): variant("chunked", True),
+        ("chunked_device", "drained"): variant("chunked_device", True),
         ("cpu_floor", "-"): floor("cpu_floor"),
         ("d2h_floor", "-"): floor("d2h_floor"),
         ("h2d_floor", "-"): floor("h2d_floor"),
+        ("d2h_floor_fp32", "-"): floor("d2h_floor_fp32"),
+        ("h2d_floor_fp32", "-"): floor("h2d_floor_fp32"),
     }
     results, errors = common.interleave(measures, rounds)
     floors = {k[0]: min(v) for k, v in results.items() if k[1] == "-"}
@@ -369,6 +410,7 @@ def measure(setup: Setup, rounds: int, warmup: int, reps: int) -> list[dict]:
         if mode == "-":
             continue
         best = min(range(len(per_round)), key=per_round.__getitem__)
+        wide = name == "chunked_device"
         row = {
             "variant": name,
             "mode": mode,
@@ -383,10 +425,10 @@ def measure(setup: Setup, rounds: int, warmup: int, reps: int) -> list[dict]:
                 for p in PHASES
             },
             "cpu_floor_s": floors.get("cpu_floor"),
-            "d2h_floor_s": floors.get("d2h_floor"),
-            "h2d_floor_s": floors.get("h2d_floor"),
-            "d2h_bytes": setup.d2h_bytes,
-            "h2d_bytes": setup.h2d_bytes,
+            "d2h_floor_s": floors.get("d2h_floor_fp32" if wide else "d2h_floor"),
+            "h2d_floor_s": floors.get("h2d_floor_fp32" if wide else "h2d_floor"),
+            "d2h_bytes": setup.wide_bytes if wide else setup.d2h_bytes,
+            "h2d_bytes": setup.wide_bytes if wide else setup.h2d_bytes,
         }
         if row["cpu_floor_s"]:
             row["step_over_cpu_floor"] = row["step_s"] / row["cpu_floor_s"]
@@ -399,11 +441,16 @@ def measure(setup: Setup, rounds: int, warmup: int, reps: int) -> list[dict]:
 def same_result(setup: Setup) -> bool:
     """One step of each variant from the same parameters and fresh state: the same bits in
     the host parameters, the moments and the offloaded device parameters (the GPU-resident
-    part is stepped by both and not compared). Run before any timing."""
+    part is stepped by each and not compared). Run before any timing."""
     host = setup.mirror.host_params
     before, device_before = host.clone(), setup.params.clone()
     out = []
-    for name, opts in (("per_parameter", setup.per_param), ("chunked", setup.chunk_opts)):
+    variants = (
+        ("per_parameter", setup.per_param, setup.mirror.host_params),
+        ("chunked", setup.chunk_opts, setup.mirror.host_params),
+        ("chunked_device", setup.wide_opts, setup.wide.host_params),
+    )
+    for name, opts, host in variants:
         host.copy_(before)
         setup.params.copy_(device_before)
         getattr(setup, name)(Timer(setup.device, False))
@@ -414,7 +461,7 @@ def same_result(setup: Setup) -> bool:
         ]
         sent = torch.cat([block.h2d[0] for block in setup.mirror.blocks])  # the device side
         out.append((host.clone(), sent.clone(), *moments))
-    return all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+    return all(torch.equal(a, b) for other in out[1:] for a, b in zip(out[0], other, strict=True))
 
 
 def parse_args(argv):

@@ -141,6 +141,7 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
                 chunked_step=options.offload_step == "chunked",
                 chunk_numel=options.offload_chunk_numel,
                 threads=options.offload_threads,
+                convert_on_device=options.offload_convert == "device",
             )
         # Norm and scale launches over these fixed spans, replayed as CUDA graphs.
         child._flat_norm_clip = NormClip(

@@ -26,12 +26,19 @@ class MegatronOptions(BufferOptions):
             CPU update runs on them); None leaves torch's setting (``OMP_NUM_THREADS``,
             which ``torchrun`` sets to 1 unless told otherwise). About the host's cores
             divided by the ranks on it.
+        offload_convert: with host mirrors, where bf16 gradients become fp32 and fp32
+            parameters bf16: ``"host"`` (the CPU converts; half the bus bytes and pinned
+            memory of a bf16 buffer) or ``"device"`` (the GPU converts, fp32 crosses both
+            ways, and the CPU only runs the optimizer: no conversion or packing pass; the
+            same bits, since bf16 to fp32 is exact and both sides round fp32 to bf16 to
+            nearest even). ``"device"`` is opt-in until it has been measured on a GPU.
     """
 
     host_mirrors: bool = True
     offload_step: str = "per_parameter"
     offload_chunk_numel: int = 4 * 2**20
     offload_threads: int | None = None
+    offload_convert: str = "host"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,6 +48,15 @@ class MegatronOptions(BufferOptions):
             raise ValueError(
                 "offload_step='chunked' runs over host mirrors; leave host_mirrors=True or use "
                 "offload_step='per_parameter'"
+            )
+        if self.offload_convert not in OFFLOAD_CONVERTS:
+            raise ValueError(
+                f"offload_convert={self.offload_convert!r}; expected one of {OFFLOAD_CONVERTS}"
+            )
+        if self.offload_convert == "device" and not self.host_mirrors:
+            raise ValueError(
+                "offload_convert='device' moves data through host mirrors; leave "
+                "host_mirrors=True or use offload_convert='host'"
             )
         threads = self.offload_threads
         if threads is not None and (
@@ -58,3 +74,4 @@ class MegatronOptions(BufferOptions):
 
 
 OFFLOAD_STEPS = ("per_parameter", "chunked")
+OFFLOAD_CONVERTS = ("host", "device")

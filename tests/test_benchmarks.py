@@ -407,8 +407,8 @@ def test_offload_step_cpu_run(tmp_path, capsys, fraction):
     records = read_outputs(tmp_path, "offload_step")
     assert records == json.loads(json.dumps(returned))
     assert {(r["variant"], r["mode"], r["threads"]) for r in records} == {
-        (v, m, t) for v in ("per_parameter", "chunked") for m in ("overlapped", "drained")
-        for t in (1, 2)
+        (v, m, t) for v in ("per_parameter", "chunked", "chunked_device")
+        for m in ("overlapped", "drained") for t in (1, 2)
     }  # fmt: skip
     for r in records:
         assert "error" not in r and r["same_state_as_per_parameter"] is True
@@ -422,6 +422,10 @@ def test_offload_step_cpu_run(tmp_path, capsys, fraction):
         else:
             assert all(v is None for v in drained)
         assert (r["gpu_numel"] > 0) == (fraction == "0.5")
+    # fp32 crosses both ways when the device converts: twice a bf16 buffer's bytes
+    moved = {r["variant"]: (r["d2h_bytes"], r["h2d_bytes"]) for r in records}
+    assert moved["chunked_device"] == tuple(2 * b for b in moved["chunked"])
+    assert moved["chunked"] == moved["per_parameter"]
     out = capsys.readouterr()
     assert "no device: copies are host copies" in out.err
     assert "leave the same optimizer state: True" in out.out

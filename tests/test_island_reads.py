@@ -202,14 +202,26 @@ def test_with_an_fp32_mirror_the_norm_reads_the_mirror_not_the_island():
 
 @pytest.mark.parametrize("every", [1, 2], ids=["all_offloaded", "every_other"])
 @pytest.mark.parametrize(
-    "chunk,lean",
-    [(None, False), (1, False), (5, False), (37, False), (5, True), (37, True)],
-    ids=["blocks", "c1", "c5", "c37", "c5_lean", "c37_lean"],
+    "chunk,lean,device",
+    [
+        (None, False, False),
+        (1, False, False),
+        (5, False, False),
+        (37, False, False),
+        (5, True, False),
+        (37, True, False),
+        (None, False, True),
+        (5, False, True),
+        (37, False, True),
+    ],
+    ids=["blocks", "c1", "c5", "c37", "c5_lean", "c37_lean", "device", "c5_device", "c37_device"],
 )
-def test_host_mirror_gives_the_cpu_the_island_values(chunk, lean, every):
+def test_host_mirror_gives_the_cpu_the_island_values(chunk, lean, device, every):
     """Per block, and per chunk of the chunked step (chunks that cut island pieces), also
-    with lean mirrors (no host gradient copy: only the kernel's reads are there to check);
-    every other parameter offloaded cuts the shard into several blocks."""
+    with lean mirrors (no host gradient copy: only the kernel's reads are there to check)
+    and with mirrors that convert on the device (the island copies land in the fp32
+    staging the CPU reads in place); every other parameter offloaded cuts the shard into
+    several blocks."""
     dp = 2
     blocks_seen, islands_seen = [], []
     for r in range(dp):
@@ -226,7 +238,7 @@ def test_host_mirror_gives_the_cpu_the_island_values(chunk, lean, every):
                 for i, s in enumerate(source.spans)
                 if (i + 1) % every == 0
             }
-            built = source_mirror(source, offloaded, pin=False, lean=lean)
+            built = source_mirror(source, offloaded, pin=False, lean=lean, device_convert=device)
             if built is None:
                 continue
             mirror, mine = built

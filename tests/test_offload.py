@@ -38,7 +38,9 @@ from tests.support.offload_sim import (
     FP32_SHAPES,
     SHAPES,
     MirrorChunked,
+    MirrorChunkedOnDevice,
     MirrorPlaced,
+    MirrorPlacedOnDevice,
     SimBuffer,
     StockPlaced,
     StockPlacedFp32Fixed,
@@ -312,13 +314,14 @@ def test_hdo_with_host_mirrors_matches_stock_bit_for_bit(
     cpu_streams, pa, grads_fp32, fraction, overlap, fp32_first, dp, rank
 ):
     runs = []
-    for cls in (StockPlacedFp32Fixed, MirrorPlaced, MirrorChunked):
+    mirrored = (MirrorPlaced, MirrorChunked, MirrorPlacedOnDevice, MirrorChunkedOnDevice)
+    for cls in (StockPlacedFp32Fixed, *mirrored):
         bf16, fp32, groups, sources, bind, shard16 = sim(pa, fp32_first, grads_fp32, dp, rank)
         hdo = make_hdo(
             cls, groups, fraction, overlap, None if issubclass(cls, StockPlaced) else sources
         )
         runs.append((bf16, fp32, bind, hdo, shard16))
-    for ours in (runs[1][3], runs[2][3]):
+    for ours in (run[3] for run in runs[1:]):
         assert ours.host_mirrors and all(not s["pinned"] for s in ours.host_mirror_stats())
         assert not ours.cpu_copy_map_grad  # no per-parameter host gradients
     grads_before = {id(c): c.grad for c in runs[1][3].cpu_copys_map_gpu_param}
@@ -344,7 +347,11 @@ def test_hdo_with_host_mirrors_matches_stock_bit_for_bit(
             for x, y in zip(main_a.values(), main_b.values(), strict=True):
                 assert torch.equal(x, y)  # the updated shards (fp32 main shards without pa)
             assert_same_state(stock, mine)
-    assert runs[2][3]._chunked is not None, runs[2][3].chunked_step_off  # not a fallback
+    for chunked in (runs[2][3], runs[4][3]):
+        assert chunked._chunked is not None, chunked.chunked_step_off  # not a fallback
+    for on_device in (runs[3][3], runs[4][3]):  # fp32 crosses: no host conversion or packing
+        assert all(m.device_convert for m in on_device.host_mirrors)
+        assert all(b.pack is None for m in on_device.host_mirrors for b in m.blocks)
     assert {id(c): c.grad for c in runs[1][3].cpu_copys_map_gpu_param} == grads_before
     moved = [not torch.equal(p, q) for p, q in zip(runs[1][4].values(), initial, strict=True)]
     assert all(moved)
@@ -780,12 +787,14 @@ def test_checkpoints_move_between_the_chunked_and_per_parameter_steps(
 )
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 @pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])
+@pytest.mark.parametrize("cls", [MirrorChunked, MirrorChunkedOnDevice], ids=["host", "device"])
 def test_chunked_step_is_stock_bit_for_bit_at_any_chunk_size(
-    cpu_streams, pa, fraction, chunk, compute
+    cpu_streams, cls, pa, fraction, chunk, compute
 ):
-    """Chunks (copies) and their sub-ranges (convert, update, pack) of any size."""
+    """Chunks (copies) and their sub-ranges (convert, update, pack) of any size, the
+    gradients and parameters converted on the host or on the device."""
     stock = train(StockPlacedFp32Fixed, pa, fraction, 3)
-    ours = train(MirrorChunked, pa, fraction, 3, chunk=chunk, compute=compute)
+    ours = train(cls, pa, fraction, 3, chunk=chunk, compute=compute)
     assert ours[2]._chunked is not None, ours[2].chunked_step_off
     steppers, copies, _, _ = ours[2]._chunked
     subs = sum(len(c) for s in steppers for c in s.subs)

@@ -154,9 +154,15 @@ def test_fp32_shards_become_leaves_during_construction_only():
 
 
 @pytest.mark.parametrize(
-    "host_mirrors,step", [(True, "per_parameter"), (True, "chunked"), (False, "per_parameter")]
+    "host_mirrors,step,convert",
+    [
+        (True, "per_parameter", "host"),
+        (True, "chunked", "host"),
+        (True, "chunked", "device"),
+        (False, "per_parameter", "host"),
+    ],
 )
-def test_options_reach_every_child(monkeypatch, host_mirrors, step):
+def test_options_reach_every_child(monkeypatch, host_mirrors, step, convert):
     from megatron_ext import MegatronOptions, offload
 
     attached = []
@@ -164,9 +170,19 @@ def test_options_reach_every_child(monkeypatch, host_mirrors, step):
     params, named, bufs = model()
     child = float16_child(params, config(), RankGroup(1), RankGroup(1))
     child._has_grad_norm_group_cache = {"mtp": False}
-    options = MegatronOptions(host_mirrors=host_mirrors, offload_step=step, offload_chunk_numel=99)
+    options = MegatronOptions(
+        host_mirrors=host_mirrors,
+        offload_step=step,
+        offload_chunk_numel=99,
+        offload_convert=convert,
+    )
     enable_flat_norm(child, [Chunk(named, bufs)], options=options)
-    want = dict(chunked_step=step == "chunked", chunk_numel=99, threads=None)
+    want = dict(
+        chunked_step=step == "chunked",
+        chunk_numel=99,
+        threads=None,
+        convert_on_device=convert == "device",
+    )
     assert attached == ([(child, want)] if host_mirrors else [])
     assert child._flat_norm_clip.options is options
 

@@ -70,6 +70,15 @@ def test_offload_step_choices_are_checked():
             MegatronOptions(offload_chunk_numel=bad)
 
 
+def test_offload_convert_choices_are_checked():
+    assert MegatronOptions().offload_convert == "host"
+    assert MegatronOptions(offload_convert="device").offload_convert == "device"
+    with pytest.raises(ValueError, match=r"offload_convert='gpu'; expected one of"):
+        MegatronOptions(offload_convert="gpu")
+    with pytest.raises(ValueError, match="through host mirrors; leave host_mirrors=True"):
+        MegatronOptions(offload_convert="device", host_mirrors=False)
+
+
 def test_offload_threads_are_checked():
     assert MegatronOptions().offload_threads is None
     assert MegatronOptions(offload_threads=3).offload_threads == 3

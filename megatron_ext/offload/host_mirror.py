@@ -21,12 +21,16 @@ class HostBlock:
     # CPU-dtype gradients <- staging; None: read in place. In a lean mirror the destination
     # is None too: only the chunked step converts, into its scratch (offload.step).
     convert: tuple[torch.Tensor | None, torch.Tensor] | None
-    pack: tuple[torch.Tensor, torch.Tensor]  # staging (device parameter dtype) <- host params
-    h2d: tuple[torch.Tensor, torch.Tensor]  # device parameters <- staging
+    # staging (device parameter dtype) <- host params; None where the host parameters go
+    # to the device themselves (converted there: a mirror built with device_convert)
+    pack: tuple[torch.Tensor, torch.Tensor] | None
+    h2d: tuple[torch.Tensor, torch.Tensor]  # device parameters <- staging or host params
     # (fp32 staging, device island view, CPU gradient view or None in a lean mirror, where
     # it starts in the mirror) of each fp32 local-accumulation parameter in this block: the
     # optimizer reads its gradient in the island (unscaled there), not in the buffer, so
-    # the CPU gets it from there, after the block's gradients.
+    # the CPU gets it from there, after the block's gradients. With device_convert the
+    # staging piece is the gradients' own place in the fp32 staging, and the CPU view None
+    # (the copy lands where the optimizer reads it).
     islands: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]] = field(
         default_factory=list
     )
@@ -47,11 +51,13 @@ class HostBlock:
                 )
             dst.copy_(src)
         for stage, _, cpu, _ in self.islands:
-            cpu.copy_(stage)
+            if cpu is not None:
+                cpu.copy_(stage)
 
     def pack_params(self) -> None:
-        dst, src = self.pack
-        dst.copy_(src)
+        if self.pack is not None:
+            dst, src = self.pack
+            dst.copy_(src)
 
     def start_h2d(self) -> None:
         dst, src = self.h2d
@@ -74,6 +80,8 @@ class BufferMirror:
     params_dtype: torch.dtype  # dtype of what moves host-to-device
     device_params: torch.Tensor | None = None  # flat device parameters, when built here
     island_staging: torch.Tensor | None = None  # pinned fp32, for the blocks' island copies
+    # gradients arrive and parameters leave in the CPU dtype, converted on the device
+    device_convert: bool = False
 
     def cpu_views(self, span: Span) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(parameter, gradient) host views of buffer elements ``span`` (gradient None in a
@@ -85,9 +93,14 @@ class BufferMirror:
     def load_params(self) -> None:
         """Fill the host parameters from the device (blocking; at construction)."""
         for block in self.blocks:
-            device, _ = block.h2d
-            _, host = block.pack
+            device, host = block.h2d
+            if block.pack is not None:
+                _, host = block.pack
             host.copy_(device)
+
+    def moved_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """What crosses the bus for a device tensor of ``dtype``."""
+        return self.host_params.dtype if self.device_convert else dtype
 
     def stats(self) -> dict:
         """Sizes: blocks, pinned and host bytes, bytes each way per step, owned bytes."""
@@ -106,8 +119,12 @@ class BufferMirror:
             "host_grad_bytes": self.cpu_grads.numel() * self.cpu_grads.element_size()
             if converted
             else 0,
-            "d2h_bytes": self.layout.numel * itemsize(self.grads_dtype),
-            "h2d_bytes": self.layout.numel * itemsize(self.params_dtype),
+            "d2h_bytes": self.layout.numel * itemsize(self.moved_dtype(self.grads_dtype)),
+            "h2d_bytes": self.layout.numel * itemsize(self.moved_dtype(self.params_dtype)),
+            "pinned_bytes": self.staging.numel() * self.staging.is_pinned()
+            + (self.host_params.numel() * self.host_params.element_size())
+            * self.host_params.is_pinned(),
+            "device_convert": self.device_convert,
             "grads_dtype": self.grads_dtype,
             "params_dtype": self.params_dtype,
         }
@@ -119,6 +136,16 @@ def add_island_copies(
     """Route the gradients of ``pieces`` (buffer span, its device view in an fp32 island)
     to the CPU from the island: one staging slice each, copied after its block's."""
     if not pieces:
+        return
+    if mirror.device_convert:  # straight into the fp32 staging, where the CPU reads it
+        for span, view in pieces:
+            local = mirror.layout.local(span)
+            if view.numel() != span.numel:
+                raise ValueError(f"island view of {view.numel()} elements for {span}")
+            block = mirror.blocks[mirror.layout.block_of(span)]
+            block.islands.append(
+                (mirror.cpu_grads[local.start : local.end], view, None, local.start)
+            )
         return
     stage = torch.zeros(sum(v.numel() for _, v in pieces), dtype=torch.float32, pin_memory=pin)
     mirror.island_staging = stage
@@ -159,7 +186,7 @@ def chunk_copies(mirror: BufferMirror, chunks: Sequence[tuple[int, Span]]) -> li
             HostBlock(
                 d2h=cut(block.d2h),
                 convert=None if block.convert is None else cut(block.convert),
-                pack=cut(block.pack),
+                pack=None if block.pack is None else cut(block.pack),
                 h2d=cut(block.h2d),
                 islands=islands,
             )
@@ -188,6 +215,7 @@ def build_buffer_mirror(
     cpu_dtype: torch.dtype,
     pin: bool,
     lean: bool = False,
+    device_convert: bool = False,
 ) -> BufferMirror:
     """Allocate one buffer's host mirror and build its per-block copies.
 
@@ -204,10 +232,20 @@ def build_buffer_mirror(
         pin: allocate the staging tensor in pinned memory (needs CUDA).
         lean: no host copy of the gradients in the CPU dtype where they arrive in another
             (only the chunked step, which converts into its scratch, can read them).
+        device_convert: gradients cross to the host, and parameters back, in the CPU
+            dtype, converted on the device (bf16 to fp32 exactly; fp32 to bf16 rounding to
+            nearest even, as the host does): the staging holds fp32 gradients the CPU
+            optimizer reads in place, and the pinned host parameters are the copies' source,
+            so the host only runs the optimizer (no conversion or packing passes) at the
+            cost of twice the bus bytes and pinned memory for a bf16 buffer.
 
     Returns:
         The :class:`BufferMirror`.
     """
+    if device_convert:
+        return _device_convert_mirror(
+            name, layout, owned_numel, grads, grads_coords, params, params_coords, cpu_dtype, pin
+        )
     width = max(itemsize(grads.dtype), itemsize(params.dtype))
     staging = torch.zeros(layout.numel * width, dtype=torch.uint8, pin_memory=pin)
     host_params = torch.zeros(layout.numel, dtype=cpu_dtype)
@@ -234,4 +272,26 @@ def build_buffer_mirror(
     return BufferMirror(
         name, layout, staging, host_params, cpu_grads, blocks, owned_numel, grads.dtype,
         params.dtype,
+    )  # fmt: skip
+
+
+def _device_convert_mirror(
+    name, layout, owned_numel, grads, grads_coords, params, params_coords, cpu_dtype, pin
+) -> BufferMirror:
+    """:func:`build_buffer_mirror` with ``device_convert``."""
+    staging = torch.zeros(layout.numel * itemsize(cpu_dtype), dtype=torch.uint8, pin_memory=pin)
+    cpu_grads = staging.view(cpu_dtype)
+    host_params = torch.zeros(layout.numel, dtype=cpu_dtype, pin_memory=pin)
+    blocks = [
+        HostBlock(
+            d2h=(cpu_grads[off : off + span.numel], _device_view(grads, span, grads_coords)),
+            convert=None,
+            pack=None,
+            h2d=(_device_view(params, span, params_coords), host_params[off : off + span.numel]),
+        )
+        for span, off in zip(layout.blocks, layout.offsets, strict=True)
+    ]
+    return BufferMirror(
+        name, layout, staging, host_params, cpu_grads, blocks, owned_numel, grads.dtype,
+        params.dtype, device_convert=True,
     )  # fmt: skip

@@ -103,6 +103,9 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     # torch intra-op threads during the step (the CPU update's); None: leave torch's setting
     cpu_threads: int | None = None
     compute_numel: int = DEFAULT_COMPUTE_NUMEL  # sub-ranges of a chunk (ChunkedAdamW)
+    # gradients to the host and parameters back in fp32, converted on the device
+    # (build_buffer_mirror's device_convert): the host runs only the optimizer
+    convert_on_device: bool = False
     # the dtypes of the chunked step's Adam moments (megatron-core's exp_avg_dtype and
     # exp_avg_sq_dtype with the precision-aware optimizer; its per-parameter step keeps fp32)
     moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
@@ -191,7 +194,13 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         # host copy of them in the CPU dtype (4 bytes per element) is kept
         lean = bool(self.chunked_step) and eligible(self.cpu_optimizers) is None
         for source in self._offload_sources:
-            built = source_mirror(source, offloaded, pin=self.pin_cpu_grads, lean=lean)
+            built = source_mirror(
+                source,
+                offloaded,
+                pin=self.pin_cpu_grads,
+                lean=lean,
+                device_convert=bool(self.convert_on_device),
+            )
             if built is None:
                 continue
             mirror, mine = built
@@ -557,7 +566,14 @@ def offload_moment_dtypes(config, chunked_step: bool) -> tuple[torch.dtype, torc
     return asked
 
 
-def source_mirror(source: OffloadSource, offloaded, *, pin: bool, lean: bool = False):
+def source_mirror(
+    source: OffloadSource,
+    offloaded,
+    *,
+    pin: bool,
+    lean: bool = False,
+    device_convert: bool = False,
+):
     """The host mirror of one buffer's offloaded parameters, or None when it has none.
 
     ``offloaded``: the inner parameters the CPU updates (``gpu_params_map_cpu_copy``).
@@ -580,6 +596,7 @@ def source_mirror(source: OffloadSource, offloaded, *, pin: bool, lean: bool = F
         cpu_dtype=_one_dtype(offloaded[p] for p, _ in mine),
         pin=pin,
         lean=lean,
+        device_convert=device_convert,
     )
     mirror.device_params = device_params
     known = set(source.spans.values())
@@ -691,6 +708,7 @@ def attach_host_mirrors(
     chunked_step: bool = False,
     chunk_numel: int = DEFAULT_CHUNK_NUMEL,
     threads: int | None = None,
+    convert_on_device: bool = False,
 ) -> bool:
     """Give a distributed optimizer's ``HybridDeviceOptimizer`` flat host mirrors.
 
@@ -701,6 +719,8 @@ def attach_host_mirrors(
         threads: torch's intra-op threads during each step (the CPU update's); None
             leaves torch's setting. Warns when the update would get one thread of several
             usable cores.
+        convert_on_device: gradients and parameters cross in fp32, converted on the
+            device (:attr:`HostMirrorHybridOptimizer.convert_on_device`).
 
     Attached at every offload fraction: at fraction 0 there is no mirror, but natively
     fp32 parameters on the GPU still need :meth:`HostMirrorHybridOptimizer._set_gpu_grads`.
@@ -725,6 +745,7 @@ def attach_host_mirrors(
     hdo.__class__ = HostMirrorHybridOptimizer
     hdo.chunked_step, hdo.chunk_numel = bool(chunked_step), int(chunk_numel)
     hdo.cpu_threads = threads
+    hdo.convert_on_device = bool(convert_on_device)
     hdo.moment_dtypes = offload_moment_dtypes(child.config, chunked_step)
     if hdo.cpu_param_groups:
         warning = threads_warning(threads)

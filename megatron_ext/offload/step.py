@@ -338,7 +338,7 @@ class ChunkedAdamW:
                 grads, origin, into = self.cpu_grads, 0, None
             for span, stage, cpu in islands:
                 a, b = max(sub.start, span.start), min(sub.end, span.end)
-                if a < b:
+                if a < b and (convert is not None or cpu is not None):  # None: in place
                     dst = (
                         grads[a - sub.start : b - sub.start]
                         if convert is not None
@@ -363,7 +363,7 @@ class ChunkedAdamW:
                     lists[2 + i].append(t[s.start - at : s.end - at])
                 lists[4].append(self._next_views[k])
             pack = None
-            if copies is not None:
+            if copies is not None and copies.pack is not None:
                 dst, src = copies.pack
                 pack = (dst[sub.start - c0 : sub.end - c0], src[sub.start - c0 : sub.end - c0])
             plan.append(

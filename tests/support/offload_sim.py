@@ -50,13 +50,15 @@ def trace_host_mirrors(monkeypatch, log: streams.Log) -> None:
         real_convert(self)
 
     def pack_params(self):
-        log.host_access("writes", hb(self.pack[0]))
+        if self.pack is not None:
+            log.host_access("writes", hb(self.pack[0]))
         real_pack(self)
 
     def update(self, chunk, copies=None):
         if copies is not None:
             reads(copies)
-            log.host_access("writes", hb(copies.pack[0]))
+            # what goes back: the staging it packs into, or the host parameters themselves
+            log.host_access("writes", hb(copies.h2d[1]))
         real_update(self, chunk, copies)
 
     real_d2h, real_h2d = HostBlock.start_d2h, HostBlock.start_h2d
@@ -259,6 +261,18 @@ class MirrorChunked(MirrorPlaced):
 
     chunked_step = True
     chunk_numel = 40
+
+
+class MirrorPlacedOnDevice(MirrorPlaced):
+    """Host mirrors converting on the "device" (fp32 both ways), the per-parameter step."""
+
+    convert_on_device = True
+
+
+class MirrorChunkedOnDevice(MirrorChunked):
+    """Host mirrors converting on the "device" (fp32 both ways), the chunked step."""
+
+    convert_on_device = True
 
 
 def make_hdo(cls, groups, fraction, overlap, sources=None, chunk=None, compute=None, gpu_cls=None):
