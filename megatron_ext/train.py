@@ -70,6 +70,7 @@ class TrainOptions:
     log_per_layer_grad_norm: bool = False
     offload_step: str = "per_parameter"
     offload_threads: int | None = None
+    offload_convert: str = "host"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainOptions:
@@ -79,6 +80,7 @@ class TrainOptions:
             log_per_layer_grad_norm=bool(getattr(args, "log_per_layer_grad_norm", False)),
             offload_step=getattr(args, "offload_step", None) or "per_parameter",
             offload_threads=getattr(args, "offload_threads", None),
+            offload_convert=getattr(args, "offload_convert", None) or "host",
         )
 
     @property
@@ -89,6 +91,8 @@ class TrainOptions:
             out.append(f"--offload-step {self.offload_step}")
         if self.offload_threads is not None:
             out.append(f"--offload-threads {self.offload_threads}")
+        if self.offload_convert != "host":
+            out.append(f"--offload-convert {self.offload_convert}")
         return out
 
     @property
@@ -104,7 +108,11 @@ class TrainOptions:
         """The :class:`megatron_ext.MegatronOptions` our optimizer is built with."""
         from .options import MegatronOptions
 
-        return MegatronOptions(offload_step=self.offload_step, offload_threads=self.offload_threads)
+        return MegatronOptions(
+            offload_step=self.offload_step,
+            offload_threads=self.offload_threads,
+            offload_convert=self.offload_convert,
+        )
 
 
 def split_patterns(text: str) -> list[str]:
@@ -222,6 +230,15 @@ FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
             default=None,
             metavar="N",
             help="torch threads for the offloaded CPU optimizer step (default: torch's)",
+        ),
+    ),
+    (
+        ("--offload-convert",),
+        dict(
+            choices=("host", "device"),
+            default="host",
+            help="with --optimizer-cpu-offload: convert bf16<->fp32 on the host, or on the "
+            "GPU so fp32 crosses and the host only steps (opt-in)",
         ),
     ),
 )
