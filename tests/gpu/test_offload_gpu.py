@@ -73,7 +73,8 @@ class Net(torch.nn.Module):
 
 
 def build(*, fraction, pa, overlap, fp32_first=False, grads_fp32=False, host_mirrors=True,
-          with_fp32=True, offload_step="per_parameter", chunk=None, compute=None):  # fmt: skip
+          with_fp32=True, offload_step="per_parameter", chunk=None, compute=None,
+          convert="host"):  # fmt: skip
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_ext
@@ -105,6 +106,7 @@ def build(*, fraction, pa, overlap, fp32_first=False, grads_fp32=False, host_mir
         options=megatron_ext.MegatronOptions(
             host_mirrors=host_mirrors,
             offload_step=offload_step,
+            offload_convert=convert if host_mirrors else "host",
             **({} if chunk is None else {"offload_chunk_numel": chunk}),
         ),
     )
@@ -261,12 +263,14 @@ def test_matches_per_parameter_path_bit_for_bit(case):
             assert not hdo.cpu_copy_map_grad  # no per-parameter pinned gradients
 
 
+@pytest.mark.parametrize("convert", ["host", "device"])
 @pytest.mark.parametrize("case", [c for c in CASES if c["fraction"] > 0], ids=case_id)
-def test_chunked_step_matches_per_parameter_path_bit_for_bit(case):
+def test_chunked_step_matches_per_parameter_path_bit_for_bit(case, convert):
     """offload_step='chunked' (chunks of 1000 elements, sub-ranges of 300) against
     megatron-core's per-parameter path: the same bits, with real streams and pinned copies
-    overlapping the host work."""
-    ours = build(**case, offload_step="chunked", chunk=1000, compute=300)
+    overlapping the host work; the bf16/fp32 conversions on the host, or on the GPU
+    (offload_convert='device': the GPU's conversion kernels round as the host does)."""
+    ours = build(**case, offload_step="chunked", chunk=1000, compute=300, convert=convert)
     ref = build(**{**case, "overlap": False}, host_mirrors=False)
     fix_reference(ref[1])
     assert_lean(ours[1])
@@ -307,11 +311,15 @@ def cpu_views(opt):
 
 def assert_lean(opt):
     """The chunked step's mirrors keep no host copy of bf16 gradients, and no CPU
-    parameter of theirs has a gradient (fp32 gradients are read in the staging)."""
+    parameter of theirs has a gradient (fp32 gradients are read in the staging, as are
+    those a device-converting mirror receives)."""
     for hdo in hdos(opt):
         lean = set()
         for m, row in zip(hdo.host_mirrors, hdo.host_mirror_stats(), strict=True):
-            if m.grads_dtype != torch.float32:
+            if m.device_convert:  # fp32 arrives: read in place, nothing packed
+                assert row["host_grad_bytes"] == 0 and all(b.pack is None for b in m.blocks)
+                assert row["pinned"] and row["d2h_bytes"] == 4 * m.layout.numel
+            elif m.grads_dtype != torch.float32:
                 assert m.cpu_grads is None and row["host_grad_bytes"] == 0, row
                 lean.add(m.host_params.untyped_storage().data_ptr())
         for cpu in hdo.cpu_copys_map_gpu_param:
