@@ -8,8 +8,11 @@ several) plus a handful of scalar ops on the results, and never syncs with the h
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import itertools
 import math
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -178,67 +181,161 @@ def _power_sum_chunked(views: Sequence[torch.Tensor], p: float, acc: torch.dtype
     return torch.stack(parts).sum()
 
 
-def _cpu_power_sum(views: Sequence[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
-    """:func:`_power_sum_chunked` on the CPU: cache-sized pieces, few ops, one thread.
-
-    Views are cut and packed into pieces of ``_CHUNK["cpu"]`` elements (a long view gives
-    several, many short ones share one: one ``torch.cat`` packs them), so a call makes about
-    three ops per piece whatever the number of views. Each piece is upcast into the scratch
-    buffer (or, already in ``acc``, squared straight into it), raised to p in place and
-    summed by ``torch.sum`` (pairwise: fp32 stays accurate over millions of elements). The
-    cast happens piece by piece in cache: ``vector_norm(x, dtype=float32)`` would first
-    materialise an fp32 copy of the whole view.
-    """
-    chunk = _CHUNK["cpu"]
-    total = sum(v.numel() for v in views)
-    if total == 0:
-        return torch.zeros((), dtype=acc)
-    scratch = _scratch(views[0].device, acc, min(chunk, total))
-    parts: list[torch.Tensor] = []
+def _pieces(
+    views: Sequence[torch.Tensor], chunk: int, writable: bool = False
+) -> list[list[torch.Tensor]]:
+    """``views`` cut and packed into pieces of ``chunk`` elements (the last may be short):
+    a long view gives several, many short ones share one. ``writable``: every tensor of a
+    piece is a view of its input (a non-contiguous one, which ``reshape`` would copy, is a
+    piece of its own, whole)."""
+    pieces: list[list[torch.Tensor]] = []
     pending: list[torch.Tensor] = []
     filled = 0
+    for v in views:
+        if writable and not v.is_contiguous():
+            pieces.append([v])
+            continue
+        flat = v.reshape(-1)
+        n, at = flat.numel(), 0
+        while at < n:
+            take = min(chunk - filled, n - at)
+            pending.append(flat[at : at + take])
+            filled += take
+            at += take
+            if filled == chunk:
+                pieces.append(pending)
+                pending, filled = [], 0
+    if pending:
+        pieces.append(pending)
+    return pieces
 
-    def flush() -> None:
-        s = scratch[:filled]
-        raised = False
-        if len(pending) > 1:
-            torch.cat(pending, out=s)
-        elif pending[0].dtype == acc and p in (1.0, 2.0):
-            if p == 2.0:  # mul, not square: measured faster out of place from memory
-                torch.mul(pending[0], pending[0], out=s)
-            else:
-                torch.abs(pending[0], out=s)
-            raised = True
+
+def _piece_power_sum(piece: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
+    """Sum of |x|^p over one piece, through this thread's scratch buffer (in cache)."""
+    n = sum(t.numel() for t in piece)
+    s = _scratch(piece[0].device, acc, _CHUNK["cpu"])[:n]
+    if len(piece) > 1:
+        torch.cat(piece, out=s)  # one op packs many short views, upcasting as it copies
+    elif piece[0].dtype == acc and p in (1.0, 2.0):
+        if p == 2.0:  # mul, not square: measured faster out of place from memory
+            torch.mul(piece[0], piece[0], out=s)
         else:
-            s.copy_(pending[0])
-        if not raised:
-            if p == 2.0:
-                s.square_()
-            else:
-                s.abs_()
-                if p != 1.0:
-                    s.pow_(p)
-        parts.append(s.sum())
-        pending.clear()
+            torch.abs(piece[0], out=s)
+        return s.sum()
+    else:
+        s.copy_(piece[0])
+    if p == 2.0:
+        s.square_()
+    else:
+        s.abs_()
+        if p != 1.0:
+            s.pow_(p)
+    return s.sum()
 
-    with single_thread():
-        for v in views:
-            flat = v.reshape(-1)
-            n, at = flat.numel(), 0
-            while at < n:
-                take = min(chunk - filled, n - at)
-                pending.append(flat[at : at + take])
-                filled += take
-                at += take
-                if filled == chunk:
-                    flush()
-                    filled = 0
-        if pending:
-            flush()
-        return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+def _scale_piece(piece: list[torch.Tensor], coeff: torch.Tensor):
+    def scale() -> None:
+        for t in piece:
+            t.mul_(coeff)
+
+    return scale
+
+
+def _cpu_power_sum(views: Sequence[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
+    """:func:`_power_sum_chunked` on the CPU: cache-sized pieces, few ops, no op-level threads.
+
+    Views are cut and packed into pieces of ``_CHUNK["cpu"]`` elements (:func:`_pieces`),
+    so a call makes about three ops per piece whatever the number of views. Each piece is
+    upcast into a scratch buffer (or, already in ``acc``, squared straight into it), raised
+    to p in place and summed by ``torch.sum`` (pairwise: fp32 stays accurate over millions
+    of elements). The cast happens piece by piece in cache: ``vector_norm(x,
+    dtype=float32)`` would first materialise an fp32 copy of the whole view. The pieces are
+    shared out by :func:`run_pieces`; the per-piece sums are added in piece order, so the
+    result has the same bits at any thread count.
+    """
+    pieces = _pieces(views, _CHUNK["cpu"])
+    if not pieces:
+        return torch.zeros((), dtype=acc)
+    parts = run_pieces([lambda piece=piece: _piece_power_sum(piece, p, acc) for piece in pieces])
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+class _Workers:
+    """Threads that help :func:`run_pieces`; rebuilt after a fork (threads do not survive
+    one) and when torch's thread count changes."""
+
+    def __init__(self) -> None:
+        self.pid = -1
+        self.count = 0
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.lock = threading.Lock()
+
+    def get(self, count: int) -> concurrent.futures.ThreadPoolExecutor:
+        with self.lock:
+            if self.pool is None or self.pid != os.getpid() or self.count != count:
+                if self.pool is not None and self.pid == os.getpid():
+                    self.pool.shutdown(wait=False)
+                self.pool = concurrent.futures.ThreadPoolExecutor(
+                    count, thread_name_prefix="buffers-cpu"
+                )
+                self.pid, self.count = os.getpid(), count
+            return self.pool
+
+
+_WORKERS = _Workers()
+
+
+def run_pieces(tasks: Sequence) -> list:
+    """Run ``tasks`` (callables of torch CPU ops) and return their results, in order.
+
+    The calling thread and ``torch.get_num_threads() - 1`` helper threads take tasks one by
+    one from a shared counter, every op on one thread (:func:`single_thread`). Torch's own
+    multi-threaded ops wait for all their threads at every op: with the cores busy with
+    other processes each can stall for a scheduler time slice (measured on a 2-core
+    machine: ~100 such ops took 250-600 ms instead of ~10). Here the caller never waits for
+    a helper that has not started (it takes the tasks itself), only for tasks already
+    running; idle, the helpers share the work as torch's threads would. With one thread,
+    one task, or a torch built without OpenMP, the tasks run on the calling thread.
+    """
+    threads = torch.get_num_threads()
+    if threads == 1 or len(tasks) == 1 or not _openmp():
+        with single_thread():
+            return [task() for task in tasks]
+    results: list = [None] * len(tasks)
+    errors: list[BaseException] = []
+    claim = itertools.count()  # next() on it is atomic under the GIL
+    done = threading.Semaphore(0)
+
+    def work() -> None:
+        with single_thread():
+            while (i := next(claim)) < len(tasks):
+                try:
+                    results[i] = tasks[i]()
+                except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                    errors.append(e)
+                finally:
+                    done.release()
+
+    pool = _WORKERS.get(threads - 1)
+    for _ in range(threads - 1):
+        pool.submit(work)
+    work()
+    for _ in range(len(tasks)):  # every task finished, whoever took it
+        done.acquire()
+    if errors:
+        raise errors[0]
+    return results
 
 
 _OPENMP: bool | None = None
+
+
+def _openmp() -> bool:
+    """Whether torch runs its CPU ops on OpenMP (the thread count is then per thread)."""
+    global _OPENMP
+    if _OPENMP is None:
+        _OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    return _OPENMP
 
 
 @contextlib.contextmanager
@@ -252,11 +349,8 @@ def single_thread():
     Only with torch's OpenMP backend, where the thread count is the calling thread's own
     setting; elsewhere the block runs as it is.
     """
-    global _OPENMP
-    if _OPENMP is None:
-        _OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
     n = torch.get_num_threads()
-    if n == 1 or not _OPENMP:
+    if n == 1 or not _openmp():
         yield
         return
     torch.set_num_threads(1)
@@ -306,9 +400,9 @@ class TorchBackend:
         if coeff.device.type == "cpu":
             if coeff.item() == 1.0:
                 return  # reading a CPU scalar costs no sync; x * 1 == x, so skip the pass
-            with single_thread():
-                for v in views:  # a per-view op (torch's CPU foreach is a loop of them too)
-                    v.mul_(coeff)
+            # Shared out as the norm's pieces are (run_pieces): no op waits for idle threads.
+            pieces = _pieces(views, _CHUNK["cpu"], writable=True)
+            run_pieces([_scale_piece(piece, coeff) for piece in pieces])
             return
         if len(views) == 1:
             views[0].mul_(coeff)

@@ -1,6 +1,7 @@
 """buffers.ops: the torch backend's sums against fp64, argument checks, the stat's dtype."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -166,3 +167,50 @@ def test_single_thread_restores_the_thread_count_after_an_error():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpu_scale_reaches_non_contiguous_and_sliced_tensors(monkeypatch):
+    monkeypatch.setitem(ops._CHUNK, "cpu", 97)  # long tensors are cut into pieces
+    gen = torch.Generator().manual_seed(9)
+    tensors = [
+        torch.randn(40, 30, generator=gen).t(),  # non-contiguous: scaled whole, in place
+        torch.randn(1000, generator=gen).bfloat16(),
+        *(torch.randn(n, generator=gen) for n in (1, 5, 64)),
+    ]
+    want = [t.double() * 0.25 for t in tensors]
+    ops.TorchBackend().scale_(tensors, torch.tensor(0.25))
+    for got, w in zip(tensors, want, strict=True):
+        assert torch.equal(got.double(), w)  # x * 0.25 is exact in every dtype here
+
+
+def test_run_pieces_keeps_order_raises_a_tasks_error_and_works_after_fork():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert ops.run_pieces([lambda i=i: i * i for i in range(50)]) == [i * i for i in range(50)]
+
+        def bad() -> None:
+            raise ValueError("task 7")
+
+        tasks = [lambda: None] * 7 + [bad] + [lambda: None] * 7
+        with pytest.raises(ValueError, match="task 7"):
+            ops.run_pieces(tasks)
+        # A forked child has none of the parent's helper threads: it must not wait for them.
+        ctx = __import__("multiprocessing").get_context("fork")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: on purpose
+            with ctx.Pool(1) as pool:
+                got = pool.apply_async(_norm_at_two_threads).get(timeout=60)
+        views = [torch.arange(1, 2_000_001, dtype=torch.float32) / 1e6]
+        assert got == ops.TorchBackend().power_sum(views, 2.0).item()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _norm_at_two_threads() -> float:
+    # torch's own multi-threaded ops can hang in a child forked after OpenMP ran (GNU
+    # OpenMP): the input is made at one thread; run_pieces' ops all run on one thread.
+    torch.set_num_threads(1)
+    views = [torch.arange(1, 2_000_001, dtype=torch.float32) / 1e6]
+    torch.set_num_threads(2)
+    return ops.TorchBackend().power_sum(views, 2.0).item()
