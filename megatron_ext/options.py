@@ -31,7 +31,9 @@ class MegatronOptions(BufferOptions):
             memory of a bf16 buffer) or ``"device"`` (the GPU converts, fp32 crosses both
             ways, and the CPU only runs the optimizer: no conversion or packing pass; the
             same bits, since bf16 to fp32 is exact and both sides round fp32 to bf16 to
-            nearest even). ``"device"`` is opt-in until it has been measured on a GPU.
+            nearest even). ``"device"`` needs ``offload_step="chunked"`` (the GPU converts
+            into an fp32 temporary per chunk copy) and is opt-in until it has been
+            measured on a GPU.
     """
 
     host_mirrors: bool = True
@@ -53,10 +55,13 @@ class MegatronOptions(BufferOptions):
             raise ValueError(
                 f"offload_convert={self.offload_convert!r}; expected one of {OFFLOAD_CONVERTS}"
             )
-        if self.offload_convert == "device" and not self.host_mirrors:
+        if self.offload_convert == "device" and self.offload_step != "chunked":
+            # the GPU converts into a temporary the size of each copy: a chunk, or with the
+            # per-parameter step a whole block (up to the shard)
             raise ValueError(
-                "offload_convert='device' moves data through host mirrors; leave "
-                "host_mirrors=True or use offload_convert='host'"
+                "offload_convert='device' needs offload_step='chunked' (the GPU converts "
+                "into fp32 temporaries the size of each copy, which are whole blocks in the "
+                "per-parameter step); add offload_step='chunked' or use offload_convert='host'"
             )
         threads = self.offload_threads
         if threads is not None and (

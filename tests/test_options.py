@@ -72,11 +72,14 @@ def test_offload_step_choices_are_checked():
 
 def test_offload_convert_choices_are_checked():
     assert MegatronOptions().offload_convert == "host"
-    assert MegatronOptions(offload_convert="device").offload_convert == "device"
+    device = MegatronOptions(offload_convert="device", offload_step="chunked")
+    assert device.offload_convert == "device"
     with pytest.raises(ValueError, match=r"offload_convert='gpu'; expected one of"):
         MegatronOptions(offload_convert="gpu")
-    with pytest.raises(ValueError, match="through host mirrors; leave host_mirrors=True"):
-        MegatronOptions(offload_convert="device", host_mirrors=False)
+    with pytest.raises(ValueError, match="needs offload_step='chunked'"):
+        MegatronOptions(offload_convert="device")
+    with pytest.raises(ValueError, match="runs over host mirrors"):
+        MegatronOptions(offload_convert="device", offload_step="chunked", host_mirrors=False)
 
 
 def test_offload_threads_are_checked():

@@ -131,8 +131,11 @@ def test_offload_flags_parse_and_need_the_buffers(capsys):
     assert (got.offload_step, got.offload_threads, got.host_mirrors) == ("chunked", 6, True)
     with pytest.raises(train.UnsupportedTrainingOptionError, match="needs --per-dtype-grad"):
         train.enable(args)
-    device = train.TrainOptions.from_args(parser().parse_args(["--offload-convert", "device"]))
-    assert device.on and device.offload_flags == ["--offload-convert device"]
+    device = train.TrainOptions.from_args(
+        parser().parse_args(["--offload-step", "chunked", "--offload-convert", "device"])
+    )
+    assert device.on
+    assert device.offload_flags == ["--offload-step chunked", "--offload-convert device"]
     assert device.megatron_options().offload_convert == "device"
     assert default.megatron_options().offload_convert == "host"
     for bad, why in (

@@ -451,6 +451,23 @@ def test_no_device_allocation_in_the_offloaded_step(pa):
     if pa:
         # megatron-core converts bf16 <-> fp32 on the GPU, into temporaries, every step
         assert peaks[False] > 0
+    # converting on the device: torch's cross-dtype copies convert into one chunk-sized
+    # fp32 temporary per copy stream at a time (freed back to the stream's cache)
+    model, opt = build(fraction=1.0, pa=pa, overlap=True, offload_step="chunked", convert="device")
+    for step in range(3):
+        make_grads(model, opt, step)
+        opt.step()
+    make_grads(model, opt, 3)
+    opt.prepare_grads()
+    opt.clip_grad_norm(MAX_NORM)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for hdo in hdos(opt):
+        hdo.step()
+    torch.cuda.synchronize()
+    largest = max(c.d2h[0].numel() for hdo in hdos(opt) for c in hdo._chunked[1])
+    assert torch.cuda.max_memory_allocated() - base <= 2 * 4 * largest + 2 * 512
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
