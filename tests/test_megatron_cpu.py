@@ -167,7 +167,8 @@ def train(option: bool, overlap: bool, rank: int, world: int, log) -> dict:
 
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str, job: str, args) -> None:
     """One spawned rank: gloo (a 60 s timeout, so a hang fails), the shim, megatron-core's
-    parallel state, then ``JOBS[job]``; its result or its traceback goes to a file."""
+    parallel state, then the job (a name in ``JOBS``, or a module-level function of another
+    test module); its result or its traceback goes to a file."""
     import traceback
 
     warnings.simplefilter("ignore")  # megatron-core's import-time notes about TE and Apex
@@ -182,20 +183,28 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, job: str, ar
     try:
         with cpu_megatron() as log:
             ps.initialize_model_parallel()
-            out = JOBS[job](rank, world, log, out_dir, *args)
+            run = JOBS[job] if isinstance(job, str) else job
+            out = run(rank, world, log, out_dir, *args)
     except Exception:  # noqa: BLE001 - reported by the test, with the rank
         out = {"error": traceback.format_exc()[-3000:]}
-    torch.save(out, os.path.join(out_dir, f"{job}-{world}-rank{rank}.pt"))
+    torch.save(out, os.path.join(out_dir, f"{_name(job)}-{world}-rank{rank}.pt"))
     ps.destroy_model_parallel()
     dist.destroy_process_group()
 
 
-def run_ranks(tmp_path, world: int, job: str, *args) -> list:
-    """``JOBS[job]`` on ``world`` spawned gloo ranks; each rank's result, in rank order."""
-    init = str(tmp_path / f"init-{job}-{world}")
+def _name(job) -> str:
+    return job if isinstance(job, str) else job.__name__
+
+
+def run_ranks(tmp_path, world: int, job, *args) -> list:
+    """``job`` (a name in ``JOBS`` or a module-level function) on ``world`` spawned gloo
+    ranks; each rank's result, in rank order."""
+    name = _name(job)
+    init = str(tmp_path / f"init-{name}-{world}")
     mp.spawn(_rank_main, args=(world, init, str(tmp_path), job, args), nprocs=world)
     outs = [
-        torch.load(tmp_path / f"{job}-{world}-rank{r}.pt", weights_only=False) for r in range(world)
+        torch.load(tmp_path / f"{name}-{world}-rank{r}.pt", weights_only=False)
+        for r in range(world)
     ]
     for r, out in enumerate(outs):
         assert not (isinstance(out, dict) and "error" in out), f"rank {r}:\n{out['error']}"

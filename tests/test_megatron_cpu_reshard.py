@@ -1,0 +1,361 @@
+"""Resharding a checkpoint with the option, on the CPU: megatron-core's real DDP, distributed
+optimizer and ``dist_checkpointing`` (torch_dist) through ``tests/support/cpu_megatron.py``.
+
+The model of ``tests/test_megatron_cpu.py`` (bf16 MLP, an fp32 island ``alpha``, a natively
+fp32 ``sink``), with ``sink`` in a param group of its own (a ``max_lr`` override, which no
+scheduler reads here): at DP=2 the whole fp32 buffer lies in rank 0's shard, so that group
+is empty on rank 1.
+
+The same data at either shape: step ``s`` trains on ``batch(0, s)`` and ``batch(1, s)``; at
+DP=2 one each per rank, at DP=1 both as two micro-batches of half the loss each. The
+gradients are then the same bits at both shapes (see ``TOLERANCE``); what changes is the
+order in which the gradient norm's squares are summed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.test_megatron_cpu import (
+    BF16,
+    CLIP,
+    LR,
+    MLP,
+    H,
+    _no_psutil,
+    batch,
+    joined,
+    owned_state,
+    params_of,
+    run_ranks,
+)
+
+pytest.importorskip("megatron.core")
+
+SAVED_AT, STEPS = 2, 4  # save after two steps, continue to four
+FORMATS = ("fully_reshardable", "dp_reshardable")
+
+
+def build(option: bool, *, seed: int = 11, fp16: bool = False, extra: str | None = None,
+          rename: dict[str, str] | None = None):  # fmt: skip
+    """DDP and the distributed optimizer (Adam, clipped), ``sink`` in a group of its own.
+
+    ``extra``: one more parameter of that name, bf16 marked ``keep_in_fp32`` (an fp32
+    island the checkpoint does not have). ``rename``: parameters registered under other
+    names. ``fp16``: fp16 weights and megatron-core's dynamic loss scaler.
+    """
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        ParamKey,
+        get_standard_config_overrides,
+    )
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import megatron_ext
+
+    dtype = torch.float16 if fp16 else BF16
+    module = MLP(option, seed)
+    if fp16:
+        for p in module.parameters():
+            if p.dtype == BF16:
+                p.data = p.data.to(torch.float16)
+    if extra is not None:
+        p = torch.nn.Parameter(torch.randn(8, generator=torch.Generator().manual_seed(5)).to(BF16))
+        module.register_parameter(extra, p)
+        megatron_ext.mark_keep_in_fp32(p)
+    for old, new in (rename or {}).items():
+        module.register_parameter(new, module._parameters.pop(old))
+    tcfg = TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=4, bf16=not fp16, fp16=fp16,
+        params_dtype=dtype,
+    )  # fmt: skip
+    ddp_config = megatron_ext.DistributedDataParallelConfig(
+        per_dtype_grad_buffers=option, use_distributed_optimizer=True
+    )
+    model = megatron_ext.DistributedDataParallel(tcfg, ddp_config, module)
+    ocfg = OptimizerConfig(
+        optimizer="adam", lr=LR, clip_grad=CLIP, bf16=not fp16, fp16=fp16,
+        use_distributed_optimizer=True,
+    )  # fmt: skip
+    overrides = get_standard_config_overrides(ocfg)
+    overrides[ParamKey(name="*sink")] = {"max_lr": LR}
+    return model, megatron_ext.get_megatron_optimizer(ocfg, [model], overrides)
+
+
+def train_steps(model, opt, rank: int, world: int, steps) -> list[float]:
+    """Steps of the data both shapes share: rank ``r`` of 2 trains on ``batch(r, s)``;
+    one rank trains on both, each with half the loss (DDP scales by 1/world instead)."""
+    norms = []
+    for s in steps:
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        for r in range(rank, 2, world):
+            (model(*batch(r, s)) * (world / 2)).backward()
+        model.finish_grad_sync()
+        ok, norm, _ = opt.step()
+        assert ok
+        norms.append(float(norm))
+    return norms
+
+
+def group_steps(opt) -> list[tuple[int, object]]:
+    """(number of parameters on this rank, ``step``) of every inner param group."""
+    return [
+        (len(g["params"]), g.get("step"))
+        for child in opt.chained_optimizers
+        for g in child.optimizer.param_groups
+    ]
+
+
+def snapshot(model, opt) -> dict:
+    return dict(params=params_of(model), state=owned_state(model, opt), groups=group_steps(opt))
+
+
+def _sharded(model, opt, fmt: str, loading: bool) -> dict:
+    state = {"model": model.module.sharded_state_dict()}
+    state["optimizer"] = opt.sharded_state_dict(
+        state["model"], is_loading=loading, metadata={"distrib_optim_sharding_type": fmt}
+    )
+    return state
+
+
+def save(model, opt, path: str, fmt: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    _no_psutil()
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(_sharded(model, opt, fmt, loading=False), path)
+
+
+def load(model, opt, path: str, fmt: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(_sharded(model, opt, fmt, loading=True), path)
+    model.module.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+
+
+def ckpt(out_dir: str, world: int, option: bool, fmt: str, path: str) -> str:
+    return os.path.join(out_dir, f"ckpt-dp{world}-{'on' if option else 'off'}-{fmt}-{path}")
+
+
+@contextlib.contextmanager
+def adam_path(path: str) -> Iterator[None]:
+    """``"torch"``: megatron-core's torch-Adam code path (this machine has neither TE nor
+    Apex). ``"apex"``: its Apex code path, with ``tests/gpu/apex_standin.py``'s pure-torch
+    FusedAdam (one ``step`` per param group), the only path where stock megatron-core loads
+    its own distributed-optimizer checkpoints."""
+    with pytest.MonkeyPatch.context() as patch:
+        if path == "apex":
+            from tests.gpu.apex_standin import use_apex_path
+
+            use_apex_path(patch)
+        yield
+
+
+def _error(e: Exception) -> dict:
+    """The exception and the last line of megatron-core it came from."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = next((f for f in reversed(frames) if "megatron/core" in f.filename), frames[-1])
+    place = f"{os.path.basename(where.filename)}:{where.lineno} {where.line}"
+    return dict(error=f"{type(e).__name__}: {e}"[:2000], where=place)
+
+
+def reshard_job(rank, world, log, out_dir, plan):
+    """Per (option, fmt, path) in ``plan["save"]``: STEPS steps from the common initial
+    values, saving after SAVED_AT; then per (saved_world, saved_option, option, fmt, path)
+    in ``plan["load"]``, a run built from other values loads that checkpoint and continues
+    to STEPS. Snapshots at the save, after the load and at the end; a load's exception is
+    its result."""
+    out = {}
+    for option, fmt, path in plan["save"]:
+        with adam_path(path):
+            model, opt = build(option)
+            norms = train_steps(model, opt, rank, world, range(SAVED_AT))
+            at_save = snapshot(model, opt)
+            try:
+                save(model, opt, ckpt(out_dir, world, option, fmt, path), fmt)
+                saved = None
+            except Exception as e:  # noqa: BLE001 - stock's failure is a result too
+                saved = _error(e)
+            norms += train_steps(model, opt, rank, world, range(SAVED_AT, STEPS))
+        out["run", option, fmt, path] = dict(at_save=at_save, end=snapshot(model, opt),
+                                             norms=norms, save_error=saved)  # fmt: skip
+    for saved_world, saved_option, option, fmt, path in plan["load"]:
+        key = "load", saved_world, saved_option, option, fmt, path
+        with adam_path(path):
+            model, opt = build(option, seed=12)
+            try:
+                load(model, opt, ckpt(out_dir, saved_world, saved_option, fmt, path), fmt)
+            except Exception as e:  # noqa: BLE001 - what megatron-core does is the result
+                out[key] = _error(e)
+                continue
+            loaded = snapshot(model, opt)
+            norms = train_steps(model, opt, rank, world, range(SAVED_AT, STEPS))
+        out[key] = dict(loaded=loaded, end=snapshot(model, opt), norms=norms)
+    return out
+
+
+ON, OFF = True, False
+FULL, DP = FORMATS
+# (saved at, saved with, loaded with, format, Adam path), each loaded at the other DP size
+LOADS = [
+    (2, ON, ON, FULL, "torch"),
+    (2, ON, ON, DP, "torch"),
+    (1, ON, ON, FULL, "torch"),
+    (2, OFF, ON, FULL, "torch"),
+    (1, ON, OFF, FULL, "apex"),
+    (2, OFF, ON, FULL, "apex"),
+]
+# stock megatron-core cannot load these; what it does instead is asserted below
+STOCK_TORCH_LOAD = (2, ON, OFF, FULL, "torch")
+STOCK_DP1_LOAD = (2, ON, OFF, FULL, "apex")
+
+
+def _plans() -> list[tuple[int, dict]]:
+    """Three spawns, each loading what an earlier one saved: DP=1 saves (and is the
+    uninterrupted run at DP=1), DP=2 saves and loads the DP=1 checkpoints, DP=1 loads."""
+    loads = LOADS + [STOCK_TORCH_LOAD, STOCK_DP1_LOAD]
+    saves = {w: set() for w in (1, 2)}
+    for saved_world, saved_option, _, fmt, path in loads:
+        saves[saved_world].add((saved_option, fmt, path))
+    for saved_world, _, option, _, path in LOADS:
+        saves[3 - saved_world].add((option, FULL, path))  # the uninterrupted run there
+    ordered = {w: sorted(saves[w], key=repr) for w in saves}
+    into = {w: [c for c in loads if c[0] == 3 - w] for w in (1, 2)}
+    return [
+        (1, dict(save=ordered[1], load=[])),
+        (2, dict(save=ordered[2], load=into[2])),
+        (1, dict(save=[], load=into[1])),
+    ]
+
+
+@pytest.fixture(scope="module")
+def reshard_runs(tmp_path_factory):
+    """Every rank's results of the three spawns, keyed by (what, ..., world)."""
+    tmp_path = tmp_path_factory.mktemp("reshard")
+    out = {}
+    for world, plan in _plans():
+        for result in run_ranks(tmp_path, world, reshard_job, plan):
+            for key, value in result.items():
+                out.setdefault(key + (world,), []).append(value)
+    return out
+
+
+def full_state(snapshots: list[dict]) -> dict:
+    """Per parameter name: its full main value and optimizer state, from every rank's
+    pieces (each element exactly once)."""
+    return {name: entry for (name, _, _), entry in joined([s["state"] for s in snapshots]).items()}
+
+
+# The tolerance of a continuation at another DP size, normwise per tensor (|got - want| over
+# max |want|). The gradients are the same bits at both shapes: DP=2 scales each rank's
+# gradient by 1/2 (exact) and reduce-scatters a 2-term sum (one rounding, in bf16 for the
+# bf16 buffer, fp32 for the island and sink); DP=1 accumulates two micro-batches of half
+# the loss (each exactly half its gradient) into the same buffer: the same one rounding.
+# What differs is the order of the fp32 sum of squares behind the norm: DP=2 sums each
+# rank's shard and all-reduces the two sums. With pairwise summation over n = 3200 squares
+# the norm moves by at most ~log2(n) u = 12 * 2^-24 < 1e-6 relative, and so does the clip
+# coefficient that scales every step's gradient (each step clips). Adam's update m/sqrt(v)
+# is invariant to that scale but for eps and the coefficient's change between steps: each
+# of STEPS steps moves a parameter by lr * (1 +- 2e-6), i.e. < 4 * 0.05 * 2e-6 = 4e-7 in
+# absolute terms for parameters of order 0.3-1, and m, v by the same relative 1e-6 and 2e-6.
+# 1e-5 leaves a factor of ten over that; a state paired with the wrong parameter, a rank's
+# shard misplaced or a wrong step (bias correction) moves these by 1e-2 or more.
+# The bf16 parameters are rounded from fp32 main values that differ by ~1e-6 relative,
+# far below half a bf16 ulp (2^-9), so they round alike unless a value sits within 1e-6 of
+# a rounding boundary: in these seeded runs none does, and they are compared bit for bit.
+TOLERANCE = 1e-5
+
+
+def assert_close_normwise(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for name, entry in want.items():
+        assert got[name].keys() == entry.keys(), (what, name)
+        for k, v in entry.items():
+            a, b = got[name][k].double(), v.double()
+            err = (a - b).abs().max().item() / b.abs().max().item()
+            assert err <= TOLERANCE, (what, name, k, err)
+
+
+def assert_same(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for name, entry in want.items():
+        assert got[name].keys() == entry.keys(), (what, name)
+        for k, v in entry.items():
+            assert torch.equal(got[name][k], v), (what, name, k)
+
+
+@pytest.mark.parametrize("case", LOADS, ids=lambda c: "dp{}{}-to-dp{}{}-{}-{}".format(
+    c[0], "on" if c[1] else "off", 3 - c[0], "on" if c[2] else "off", c[3], c[4]))  # fmt: skip
+def test_resharded_load_continues_like_the_uninterrupted_run(reshard_runs, case):
+    """Saved at one DP size, loaded at the other into a model built from other values:
+    parameters and every optimizer state tensor equal the saver's, joined by parameter
+    name, bit for bit; every param group holds the saved ``step`` on every rank, the group
+    empty on DP=2's rank 1 included; the continuation equals the uninterrupted run at the
+    new size (same data, same initial values, the loading side's option and Adam) within
+    ``TOLERANCE``: parameters, Adam state and norms."""
+    saved_world, saved_option, option, fmt, path = case
+    world = 3 - saved_world
+    runs = reshard_runs[("load",) + case + (world,)]
+    for r in runs:
+        assert "error" not in r, r
+    saver = reshard_runs["run", saved_option, fmt, path, saved_world]
+    reference = reshard_runs["run", option, FULL, path, world]
+
+    assert_same(full_state([r["loaded"] for r in runs]), full_state([s["at_save"] for s in saver]),
+                "loaded")  # fmt: skip
+    names = saver[0]["at_save"]["params"].keys()
+    for r in runs:
+        for n in names:
+            assert torch.equal(r["loaded"]["params"][n].float(),
+                               saver[0]["at_save"]["params"][n].float()), n  # fmt: skip
+        steps = [(count, step) for count, step in r["loaded"]["groups"]]
+        assert steps and all(step == SAVED_AT for _, step in steps), steps
+    if world == 2:
+        assert [c for c, _ in runs[1]["loaded"]["groups"]].count(0) == 1  # the empty group
+    for key, v in full_state([r["loaded"] for r in runs]).items():
+        if "step" in v:  # torch's Adam: one per parameter
+            assert v["step"].item() == SAVED_AT, key
+
+    assert_close_normwise(full_state([r["end"] for r in runs]),
+                          full_state([u["end"] for u in reference]), "continued")  # fmt: skip
+    for r, u in zip(runs, reference, strict=True):
+        assert r["norms"] == pytest.approx(u["norms"][SAVED_AT:], rel=TOLERANCE)
+        for n, v in u["end"]["params"].items():
+            if v.dtype == BF16:
+                assert torch.equal(r["end"]["params"][n], v), n
+        ended = [(c, s) for c, s in r["end"]["groups"]]
+        want_end = [(c, s) for c, s in u["end"]["groups"]]
+        assert [c for c, _ in ended] == [c for c, _ in want_end]
+        if path == "apex":  # one step per group, counted on
+            assert [s for c, s in ended if c] == [STEPS] * sum(1 for c, _ in ended if c)
+    for key, v in full_state([r["end"] for r in runs]).items():
+        if "step" in v:
+            assert v["step"].item() == STEPS, key
+
+
+def test_stock_cannot_load_on_torch_adam(reshard_runs):
+    """megatron-core 0.19.2 without TE or Apex (torch's Adam): building the loading state
+    dict of a fresh stock optimizer asks its state for the one ``step`` and finds none
+    (``state_dict``'s ``assert len(steps) == 1``). The option loads the same checkpoint
+    (``dp2on-to-dp1on``); stock loads it on the Apex path (``dp2on-to-dp1off``)."""
+    (r,) = reshard_runs[("load",) + STOCK_TORCH_LOAD + (1,)]
+    assert r.get("error", "").startswith("AssertionError"), r
+    assert "len(steps) == 1" in r["where"], r
+
+
+def test_stock_cannot_load_fp32_beside_bf16_at_one_rank(reshard_runs):
+    """megatron-core 0.19.2, option off, at DP=1 on the Apex path: ``alpha`` (natively
+    fp32 without the option) shares a param group with bf16 ``b1``, and stock's load of the
+    fully-reshardable state copies one parameter's state into the other's place: a size
+    error (32 against 48), no wrong data. Stock loads at DP=2 (``dp1on-to-dp2off``)."""
+    (r,) = reshard_runs[("load",) + STOCK_DP1_LOAD + (1,)]
+    assert r.get("error", "").startswith("RuntimeError: The size of tensor a"), r
+    assert r["where"].startswith("distrib_optimizer.py"), r
