@@ -154,9 +154,16 @@ def sim(pa, fp32_first, grads_fp32, dp, rank):
             for name, p in shards.items()
             if (len((SHAPES | FP32_SHAPES)[name]) > 1) == decay
         ]
-        # wd_mult tells the groups apart where megatron-core pairs saved and current groups
+        # the keys megatron-core pairs saved and current groups by (0.18 requires them all)
         groups.append(
-            {"params": params, "weight_decay": 0.1 if decay else 0.0, "wd_mult": float(decay)}
+            {
+                "params": params,
+                "weight_decay": 0.1 if decay else 0.0,
+                "wd_mult": float(decay),
+                "lr_mult": 1.0,
+                "is_expert_parallel": False,
+                "is_decoupled_lr": False,
+            }
         )
     sources = (
         OffloadSource(
