@@ -342,12 +342,10 @@ def _openmp() -> bool:
 def single_thread():
     """Run torch's CPU ops on the calling thread only, for the duration of the block.
 
-    Every multi-threaded op waits for all its threads: on a machine whose cores are busy
-    with other processes each such op can stall for a scheduler time slice (measured on a
-    2-core machine: a norm of ~100 such ops took 250-600 ms instead of ~10). A norm's pieces
-    are memory-bound and sized for one core's cache, so one thread loses little when idle.
-    Only with torch's OpenMP backend, where the thread count is the calling thread's own
-    setting; elsewhere the block runs as it is.
+    Every multi-threaded op waits for all its threads, which stall when other processes
+    hold the cores (:func:`run_pieces` shares pieces between threads instead). Only with
+    torch's OpenMP backend, where the thread count is the calling thread's own setting;
+    elsewhere the block runs as it is.
     """
     n = torch.get_num_threads()
     if n == 1 or not _openmp():
