@@ -1,0 +1,165 @@
+"""The transformer-engine GPT cells of tests/gpu/test_te_layers_gpu.py, rehearsed on the CPU.
+
+The worker (``tests/gpu/te_layers_worker.py``) runs here with megatron-core's local layer
+spec through ``tests/support/cpu_megatron.py`` (no TE, so no TE layers, no precision-aware
+optimizer, no offload): the GPT, islands, micro-batches, the fp64 reference, both arms in
+their own processes, a stock crash as a row with the run going on, and the judging of
+every kind of row; what the GPU run adds is TE itself.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+import te_layers_worker as w  # noqa: E402
+
+# Without transformer-engine megatron-core's norm takes its fallback kernels, about 2e-6
+# from fp64 here (with TE on the GPU: within 1e-7, the GPU test's bound is 1e-6).
+STOCK_TOL_WITHOUT_TE = 1e-5
+CPU_CELLS = ["distopt_islands_on_mb2_w1", "fp16_islands_on_mb1_w1", "distopt_islands_off_mb1_w1"]
+
+
+def test_cells_are_named_parsed_and_have_a_stock_counterpart():
+    cells = w.cells()
+    assert len(cells) == len(set(cells)) <= 40  # moderate: the GPU window is short
+    for name in cells:
+        cell = w.parse_cell(name)
+        assert w.cell_name(**cell) == name
+        stock = w.parse_cell(w.stock_cell(name))
+        assert "chunked" not in stock["kind"] and stock["world"] == cell["world"]
+    kinds = {w.parse_cell(n)["kind"] for n in cells}
+    assert kinds == set(w.KINDS)
+    assert {(w.parse_cell(n)["micro"], w.parse_cell(n)["world"]) for n in cells} == {
+        (1, 1),
+        (2, 1),
+        (2, 2),
+    }
+    with pytest.raises(ValueError, match="not a cell name"):
+        w.parse_cell("adam_islands_on_mb1_w1")
+
+
+def test_stock_expectations_are_the_known_failures():
+    assert w.stock_expected("pa", True) == "nonfinite"
+    assert w.stock_expected("pa_offload1.0", True) == w.STOCK_NON_LEAF
+    assert w.stock_expected("pa_offload0.5", True) == w.STOCK_NON_LEAF
+    assert all(w.stock_expected(k, False) == "ok" for k in w.KINDS)
+    assert w.stock_expected("distopt", True) == w.stock_expected("fp16", True) == "ok"
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """Both arms of three cells on the CPU; stock's second cell aborts its process."""
+    out = tmp_path_factory.mktemp("te_layers")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TE_LAYERS_FAULT", f"abort:{CPU_CELLS[1]}")
+    mp.setenv("PYTHONWARNINGS", "ignore")
+    try:
+        ours = w.launch("ours", CPU_CELLS, out, cpu=True, timeout=300)
+        stock = w.launch("stock", CPU_CELLS, out, cpu=True, timeout=300)
+    finally:
+        mp.undo()
+    return out, ours, stock
+
+
+def test_ours_on_the_cpu_is_right_every_step(cpu_run):
+    out, ours, _ = cpu_run
+    for name in CPU_CELLS:
+        row = ours[name]
+        assert row["status"] == "ok", row
+        assert len(row["steps"]) == w.STEPS
+        errors = w.norm_errors(row)
+        assert max(errors) <= 1e-6, errors
+        assert all(s["ref"] > w.CLIP and math.isfinite(s["loss"]) for s in row["steps"])
+        assert (out / f"ours-{name}.pt").is_file() and (out / f"ours-{name}-1.pt").is_file()
+    assert ours[CPU_CELLS[0]]["grad_dtypes"] == ["torch.bfloat16", "torch.float32"]
+    assert ours[CPU_CELLS[1]]["grad_dtypes"] == ["torch.float16", "torch.float32"]
+    assert ours[CPU_CELLS[1]]["steps"][0]["scale"] == 2.0**12
+    assert ours[CPU_CELLS[2]]["grad_dtypes"] == ["torch.bfloat16"]
+
+
+def test_a_stock_crash_is_a_row_and_the_run_goes_on(cpu_run):
+    out, ours, stock = cpu_run
+    crashed = stock[CPU_CELLS[1]]
+    assert crashed["status"].startswith("crashed") and "SIGABRT" in crashed["error"], crashed
+    row = w.judge(CPU_CELLS[1], ours[CPU_CELLS[1]], crashed, out, STOCK_TOL_WITHOUT_TE)
+    assert row["stock"].startswith("crashed")
+    assert row["failures"] and "stock: crashed" in row["failures"][0]
+    for name in (CPU_CELLS[0], CPU_CELLS[2]):  # before and after the crash
+        row = w.judge(name, ours[name], stock[name], out, STOCK_TOL_WITHOUT_TE)
+        assert row["stock"] == "ok" and not row["failures"], row
+        assert row["params_worst"] <= 1.0 and row["loss_vs_stock"] <= w.LOSS_RTOL
+    text = w.table([w.judge(n, ours[n], stock[n], out, STOCK_TOL_WITHOUT_TE) for n in CPU_CELLS])
+    print(text)
+    assert len(text.splitlines()) >= 2 + len(CPU_CELLS) and "FAILED" in text
+
+
+def _row(name, status="ok", norms=(1.0, 1.0, 1.0), refs=(1.0, 1.0, 1.0), **extra):
+    cell = w.parse_cell(name)
+    steps = [
+        dict(ok=True, norm=n, ref=r, loss=5.0, scale=1.0) for n, r in zip(norms, refs, strict=True)
+    ]
+    low = "torch.float16" if cell["kind"] == "fp16" else "torch.bfloat16"
+    dtypes = sorted({low, "torch.float32"} if cell["islands"] else {low})
+    row = dict(cell=name, **cell, status=status, error=None, steps=steps, te_weights=4,
+               te_fused=4, grad_dtypes=dtypes)  # fmt: skip
+    return row | extra
+
+
+def test_judging_stock_failures_as_rows(tmp_path):
+    name = "pa_islands_on_mb2_w1"
+    inf = _row(name, norms=(math.inf,) * 3)
+    row = w.judge(name, _row(name), inf, tmp_path)
+    assert row["stock"] == "nonfinite" and not row["failures"]
+    # the known failure not happening is a failure of the expectation, not a pass
+    assert w.judge(name, _row(name), _row(name), tmp_path)["failures"]
+    name = "pa_offload1.0_chunked_islands_on_mb1_w1"
+    refused = _row(
+        w.stock_cell(name), status="build failed", error=f"ValueError: {w.STOCK_NON_LEAF}"
+    )
+    refused["steps"] = []
+    row = w.judge(name, _row(name), refused, tmp_path)
+    assert row["stock"] == "build failed" and not row["failures"]
+    assert w.STOCK_NON_LEAF in w.table([row])
+
+
+def test_judging_ours(tmp_path):
+    name = "pa_islands_on_mb1_w1"
+    stock = _row(name, norms=(math.nan,) * 3)
+    off = _row(name, norms=(1.0, 1.0 + 2e-6, 1.0))
+    assert "norm vs fp64" in w.judge(name, off, stock, tmp_path)["failures"][0]
+    unfused = _row(name, te_fused=3)
+    assert "fuse_wgrad_accumulation" in " ".join(
+        w.judge(name, unfused, stock, tmp_path)["failures"]
+    )
+    no_island = _row(name, grad_dtypes=["torch.bfloat16"])
+    assert "gradient buffers" in " ".join(w.judge(name, no_island, stock, tmp_path)["failures"])
+    unclipped = _row(name, refs=(0.01, 0.01, 0.01), norms=(0.01, 0.01, 0.01))
+    assert "clipping" in w.judge(name, unclipped, stock, tmp_path)["failures"][0]
+
+
+def test_parameters_compared_within_one_unit_in_the_last_place(tmp_path):
+    x = torch.tensor([1.0, -0.5, 3.0]).bfloat16()
+    dtypes = {"a": "torch.bfloat16"}
+    torch.save(dict(params={"a": x.float()}, dtypes=dtypes), tmp_path / "stock.pt")
+    one_ulp = (x.view(torch.int16) + 1).view(torch.bfloat16)  # one unit in the last place
+    torch.save(dict(params={"a": one_ulp.float()}, dtypes=dtypes), tmp_path / "ours.pt")
+    cmp = w.compare_params(tmp_path / "ours.pt", tmp_path / "stock.pt")
+    assert cmp["bad"] == [] and cmp["equal"] == 0 and cmp["worst"] <= 1.0
+    two = (x.view(torch.int16) + 2).view(torch.bfloat16)
+    torch.save(dict(params={"a": two.float()}, dtypes=dtypes), tmp_path / "ours.pt")
+    assert w.compare_params(tmp_path / "ours.pt", tmp_path / "stock.pt")["bad"] == ["a"]
+
+
+def test_two_ranks_on_the_cpu(tmp_path, monkeypatch):
+    """Two gloo ranks: the reference sums each rank's shard of the reduced buffers."""
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    name = "fp16_islands_on_mb2_w2"
+    ours = w.launch("ours", [name], tmp_path, cpu=True, timeout=300)[name]
+    stock = w.launch("stock", [name], tmp_path, cpu=True, timeout=300)[name]
+    assert not ours["ranks_disagree"] and not stock["ranks_disagree"]
+    row = w.judge(name, ours, stock, tmp_path, STOCK_TOL_WITHOUT_TE)
+    assert row["stock"] == "ok" and not row["failures"], row
