@@ -8,7 +8,11 @@
 # .megatron-lm/ unless MEGATRON_LM_PATH is set), pytest (the files in PYTEST_ARGS, with
 # -k "$PYTEST_K"), te (transformer-engine into /tmp/site: scripts/install_te.sh over the parts
 # stashed so far and the transferred .te/deps, see docs/testing.md; put it before the steps that
-# need TE). NORM_CLIP_ARGS replaces norm_clip's extra args.
+# need TE), te_layers (tests/gpu/test_te_layers_gpu.py: a GPT with TE's layer spec, ours vs
+# stock; table and JSON in $OUT/te_layers), megatron_lm_te (tests/gpu/megatron_lm_te.py:
+# pretrain_gpt.py with TE's layers, 20 iterations per configuration, ours vs stock; JSON,
+# table and PNG in $OUT/megatron_lm_te; MEGATRON_LM_TE_ARGS adds its flags, e.g. --configs).
+# NORM_CLIP_ARGS replaces norm_clip's extra args.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -26,7 +30,8 @@ for s in "$@"; do
   case $s in
     tests) step tests ${TESTS_LIMIT:-300} python3 -m pytest -p no:cacheprovider -q -m "cuda or not cuda" \
       -W ignore::UserWarning -W ignore::DeprecationWarning -rfE tests/gpu \
-      --ignore=tests/gpu/test_multirank_gpu.py tests/test_storage.py tests/test_storage_hooks.py \
+      --ignore=tests/gpu/test_multirank_gpu.py --ignore=tests/gpu/test_te_layers_gpu.py \
+      tests/test_storage.py tests/test_storage_hooks.py \
       tests/test_lists.py tests/test_backends.py tests/test_distributed.py \
       tests/test_properties.py tests/test_plan.py tests/test_megatron_spans.py \
       tests/test_clipped_step.py tests/test_per_param_norms.py ;;
@@ -41,6 +46,12 @@ for s in "$@"; do
       MEGATRON_LM_TIMEOUT=${MEGATRON_LM_TIMEOUT:-150} step megatron_lm ${MEGATRON_LM_LIMIT:-400} \
       python3 -m pytest -p no:cacheprovider -q -m cuda -s -rfE tests/gpu/test_megatron_lm_gpu.py \
       -k "${MEGATRON_LM_K:-not nothing}" ;;
+    te_layers) TE_LAYERS_OUT=$OUT/te_layers step te_layers ${TE_LAYERS_LIMIT:-560} python3 -m pytest \
+      -p no:cacheprovider -q -m cuda -s -rfE tests/gpu/test_te_layers_gpu.py ;;
+    megatron_lm_te) read -ra extra <<< "${MEGATRON_LM_TE_ARGS:-}"
+      MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-$PWD/.megatron-lm} step megatron_lm_te \
+      ${MEGATRON_LM_TE_LIMIT:-560} python3 tests/gpu/megatron_lm_te.py --out "$OUT/megatron_lm_te" \
+      "${extra[@]}" ;;
     norm_clip|memory|train_step|offload|clip_step)
       extra=(); [ "$s" = norm_clip ] && read -ra extra <<< "${NORM_CLIP_ARGS:---scaling-counts 80,1000,10000}"
       step "$s" ${BENCH_LIMIT:-300} python3 "benchmarks/$s.py" --device cuda --out "$OUT/bench" "${extra[@]}" ;;

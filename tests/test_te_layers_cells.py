@@ -104,7 +104,7 @@ def _row(name, status="ok", norms=(1.0, 1.0, 1.0), refs=(1.0, 1.0, 1.0), **extra
     ]
     low = "torch.float16" if cell["kind"] == "fp16" else "torch.bfloat16"
     dtypes = sorted({low, "torch.float32"} if cell["islands"] else {low})
-    row = dict(cell=name, **cell, status=status, error=None, steps=steps, te_weights=4,
+    row = dict(cell=name, **cell, te=True, status=status, error=None, steps=steps, te_weights=4,
                te_fused=4, grad_dtypes=dtypes)  # fmt: skip
     return row | extra
 
@@ -135,6 +135,8 @@ def test_judging_ours(tmp_path):
     assert "fuse_wgrad_accumulation" in " ".join(
         w.judge(name, unfused, stock, tmp_path)["failures"]
     )
+    no_te = _row(name, te_weights=0, te_fused=0)
+    assert "no transformer-engine layer" in w.judge(name, no_te, stock, tmp_path)["failures"][0]
     no_island = _row(name, grad_dtypes=["torch.bfloat16"])
     assert "gradient buffers" in " ".join(w.judge(name, no_island, stock, tmp_path)["failures"])
     unclipped = _row(name, refs=(0.01, 0.01, 0.01), norms=(0.01, 0.01, 0.01))

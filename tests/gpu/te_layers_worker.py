@@ -258,8 +258,12 @@ def train(cell: dict, model, opt, *, te: bool, device: str, first: Path) -> dict
     position = torch.arange(SEQ, device=device).expand(BATCH, -1)
     # TE's attention is causal by its layer spec; the local spec reads the mask (True: masked)
     mask = None if te else torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool, device=device).triu(1)
+    # the GEMM weights of TE's layers (not their layer_norm_weight: a norm's gradient is not
+    # TE's wgrad GEMM)
     te_weights = [
-        p for n, p in model.module.named_parameters() if n.endswith("weight") and _is_te(n, model)
+        p
+        for n, p in model.module.named_parameters()
+        if n.rsplit(".", 1)[-1] == "weight" and _is_te(n, model)
     ]
     steps, fused = [], 0
     for step in range(STEPS):
@@ -305,7 +309,7 @@ def _is_te(name: str, model) -> bool:
 def run_cell(name: str, arm: str, out: Path, *, te: bool, device: str) -> dict:
 
     cell = parse_cell(name)
-    row: dict = dict(cell=name, arm=arm, **cell, status="ok", error=None)
+    row: dict = dict(cell=name, arm=arm, **cell, te=te, status="ok", error=None)
     try:
         model, opt = build(cell, arm == "ours", te=te, device=device)
     except Exception as e:  # noqa: BLE001 - a cell stock cannot build is a result row
@@ -469,6 +473,8 @@ def judge(name: str, ours: dict, stock: dict, out: Path, stock_tol: float = 1e-6
         failures.append("ours: a step was skipped")
     elif not min(s["ref"] for s in ours["steps"]) > CLIP:
         failures.append("ours: clipping was not active")
+    if ours.get("te") and ours["status"] == "ok" and not ours.get("te_weights"):
+        failures.append("ours: the model holds no transformer-engine layer")
     if ours.get("te_weights") and ours.get("te_fused") != ours["te_weights"]:
         failures.append(
             f"ours: TE accumulated {ours.get('te_fused')} of {ours['te_weights']} weight "
@@ -566,6 +572,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(HERE))
     os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # stock vs ours: same bits
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not args.cpu:
+        torch.cuda.set_device(0)  # every rank on the one GPU
     dist.init_process_group("gloo" if args.cpu or world > 1 else "nccl")
     rank = dist.get_rank()
     stack = contextlib.ExitStack()
@@ -576,7 +584,6 @@ def main(argv: list[str] | None = None) -> None:
         stack.enter_context(cpu_megatron())
         device = "cpu"
     else:
-        torch.cuda.set_device(0)
         device = "cuda"
     from megatron.core import parallel_state as ps
 
