@@ -186,6 +186,14 @@ def test_launch_runs_a_command_and_reads_its_log_and_record(tmp_path):
     assert failed.status == "failed" and "non-leaf" in failed.error and failed.record == []
 
 
+def test_a_run_past_its_time_is_a_failed_row(tmp_path):
+    script = tmp_path / "hangs.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    run = d.launch(d.Run("dense", "stock", [sys.executable, str(script)]), tmp_path, timeout=2)
+    assert run.rc == "timeout" and run.status == "failed"
+    assert run.error.startswith("timed out after 2 s")
+
+
 def test_table_json_and_png_with_stock_failing_and_non_finite(tmp_path):
     configs = ["dense", "router_fp32_pa", "router_fp32_pa_offload"]
     runs = d.plan(configs, 3, [d.NO_FUSION])

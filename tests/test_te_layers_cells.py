@@ -165,3 +165,18 @@ def test_two_ranks_on_the_cpu(tmp_path, monkeypatch):
     assert not ours["ranks_disagree"] and not stock["ranks_disagree"]
     row = w.judge(name, ours, stock, tmp_path, STOCK_TOL_WITHOUT_TE)
     assert row["stock"] == "ok" and not row["failures"], row
+
+
+def test_a_stock_cell_that_hangs_is_killed_with_its_workers(tmp_path, monkeypatch):
+    """Past the launch's time the whole process group goes (torchrun and its worker), the
+    cell is a crashed row, and the cells after it run in a fresh launch."""
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    names = ["distopt_islands_off_mb1_w1", "distopt_islands_on_mb1_w1"]
+    monkeypatch.setenv("TE_LAYERS_FAULT", f"hang:{names[0]}")
+    rows = w.launch("stock", names, tmp_path, cpu=True, timeout=30)
+    assert rows[names[0]]["status"] == "crashed (timeout)"
+    assert rows[names[1]]["status"] == "ok"
+    import subprocess
+
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"--out {tmp_path}" not in ps  # no worker left behind

@@ -31,7 +31,6 @@ import math
 import os
 import re
 import shlex
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -40,6 +39,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 NAME = "megatron_lm_te"
+sys.path.insert(0, str(HERE))
+from te_layers_worker import run_group  # noqa: E402
 
 
 def flags(text: str) -> list[str]:
@@ -195,13 +196,7 @@ def launch(run: Run, out: Path, timeout: float) -> Run:
                MEGATRON_LM_RECORD=str(record), PYTHONUNBUFFERED="1",
                CUDA_DEVICE_MAX_CONNECTIONS="1",
                NVTE_ALLOW_NONDETERMINISTIC_ALGO="0")  # ours and stock: the same bits  # fmt: skip
-    try:
-        proc = subprocess.run(run.command, env=env, cwd=where, capture_output=True, text=True,
-                              timeout=timeout)  # fmt: skip
-        run.rc, text = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        run.rc = "timeout"
-        text = (e.stdout or b"").decode() + (e.stderr or b"").decode()
+    run.rc, text = run_group(run.command, env, where, timeout)
     (where / "output.log").write_text(text)
     run.iterations = parse_log(text)
     run.error = first_error(text) if run.rc != 0 else None

@@ -356,8 +356,6 @@ def launch(arm: str, names: list[str], out: Path, *, cpu: bool = False,
     becomes a ``crashed`` row (exit status and first error line) and the cells after it run
     in a fresh launch. Returns per cell rank 0's row, with ``ranks_disagree`` set where
     another rank's status differs."""
-    import subprocess
-
     world = {parse_cell(n)["world"] for n in names}
     if len(world) != 1:
         raise ValueError(f"cells of one world size per launch, not {sorted(world)}")
@@ -376,11 +374,7 @@ def launch(arm: str, names: list[str], out: Path, *, cpu: bool = False,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={world}", str(HERE / "te_layers_worker.py"), "--arm", arm,
                "--out", str(out), *(["--cpu"] if cpu else []), *remaining]  # fmt: skip
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-            rc, text = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as e:
-            rc, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
+        rc, text = run_group(cmd, env, None, timeout)
         rows, started = read_rows(out, arm)
         left = [n for n in remaining if n not in rows and n not in crashed]
         if not left:
@@ -404,6 +398,41 @@ def launch(arm: str, names: list[str], out: Path, *, cpu: bool = False,
 
 
 _ERROR = re.compile(r"Signal \d+|SIG[A-Z]+|\b\w+(Error|Exception): |illegal memory|Aborted")
+
+
+def run_group(cmd: list[str], env: dict, cwd, timeout: float) -> tuple[int | str, str]:
+    """Run ``cmd``; its exit status (``"timeout"`` when it ran past ``timeout`` seconds:
+    then it and every process under it are killed, torchrun's workers too, which it starts
+    in sessions of their own, so that none is left holding the GPU) and its output."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, text
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        return "timeout", text
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (from /proc), children before their children."""
+    parent_of = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parent_of[int(stat.parent.name)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        frontier = [p for p, parent in parent_of.items() if parent in frontier]
+        out += frontier
+    return out
 
 
 def first_error_line(text: str) -> str:
@@ -593,11 +622,16 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.cells:
             if parse_cell(name)["world"] != dist.get_world_size():
                 raise SystemExit(f"{name} needs {parse_cell(name)['world']} ranks")
-            fault = os.environ.get("TE_LAYERS_FAULT", "")  # abort:<cell>, for the CPU tests
+            # abort:<cell> or hang:<cell> in stock's arm, for the CPU tests
+            fault = os.environ.get("TE_LAYERS_FAULT", "")
             with open(rows, "a") as f:
                 f.write(json.dumps(dict(start=name)) + "\n")
             if fault == f"abort:{name}" and args.arm == "stock":
                 os.abort()
+            if fault == f"hang:{name}" and args.arm == "stock":
+                import time
+
+                time.sleep(3600)
             ps.initialize_model_parallel()
             try:
                 row = run_cell(name, args.arm, args.out, te=te, device=device)
