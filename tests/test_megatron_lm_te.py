@@ -165,7 +165,8 @@ def stand_in(tmp_path: Path, iters: int, rc: int, norms: list[float], losses: li
     script = tmp_path / f"stand_in_{len(list(tmp_path.glob('stand_in_*')))}.py"
     script.write_text(
         "import os, pathlib, sys\n"
-        "rec = pathlib.Path(os.environ['MEGATRON_LM_RECORD']); rec.mkdir(parents=True)\n"
+        "rec = pathlib.Path(os.environ['MEGATRON_LM_RECORD'])\n"
+        "rec.mkdir(parents=True, exist_ok=True)\n"
         f"(rec / 'rank0.jsonl').write_text({record!r})\n"
         f"print({chr(10).join(lines)!r})\n"
         f"sys.stderr.write({text!r})\n"
@@ -279,3 +280,26 @@ def test_gpu_session_steps_run_both_with_their_outputs(tmp_path):
     assert f"MEGATRON_LM_PATH={root}/.megatron-lm " in lm
     assert lm.endswith(f"tests/gpu/megatron_lm_te.py --out {out}/megatron_lm_te --configs "
                        "dense,router_fp32")  # fmt: skip
+
+
+def test_main_runs_every_planned_run_and_writes_as_each_ends(tmp_path, monkeypatch, capsys):
+    fine = stand_in(tmp_path, 3, 0, [2.5, 2.0, 1.5], [7.0, 6.5, 6.0])
+    fails = stand_in(tmp_path, 3, 1, [], [], text=STOCK_OFFLOAD_FAILURE)
+    monkeypatch.setenv("MEGATRON_LM_PATH", str(tmp_path))
+    monkeypatch.setattr(
+        d, "command", lambda config, arm, iters, fusion: fails if "offload" in config else fine
+    )
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--configs", "dense,router_fp32_pa_offload", "--jobs", "2"]
+    assert d.main(argv) == 1  # ours' offload run failed
+    printed = capsys.readouterr().out
+    assert "router_fp32_pa_offload (ours): failed ValueError" in printed
+    rows = json.loads((out / f"{d.NAME}.json").read_text())["rows"]
+    assert [(r["config"], r["arm"], r["status"]) for r in rows] == [
+        ("dense", "ours", "ok"),
+        ("dense", "stock", "ok"),
+        ("router_fp32_pa_offload", "ours", "failed"),
+        ("router_fp32_pa_offload", "stock", "failed"),
+    ]
+    monkeypatch.setattr(d, "command", lambda config, arm, iters, fusion: fine)
+    assert d.main(argv) == 0

@@ -32,7 +32,7 @@ import os
 import re
 import shlex
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -348,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20, help="iterations per run (20)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, from {list(CONFIGS)} (all)")  # fmt: skip
-    parser.add_argument("--jobs", type=int, default=2,
-                        help="runs at once on the one GPU (2; each is small)")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=3,
+                        help="runs at once on the one GPU (3; each is small)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per run (240)")
     parser.add_argument("--dry-run", action="store_true", help="print the command lines only")
     args = parser.parse_args(argv)
@@ -366,11 +366,15 @@ def main(argv: list[str] | None = None) -> int:
         for (config, arm), run in runs.items():
             print(f"# {config} ({arm})\n{shlex.join(run.command)}")
         return 0
+    # the outputs are rewritten as each run ends: a step cut short keeps what finished
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        done = list(pool.map(lambda r: launch(r, args.out, args.timeout), runs.values()))
-    complete = dict(zip(runs, done, strict=True))
-    print(write(complete, configs, args.out, fusion))
-    return 1 if any(r.status != "ok" for (_, arm), r in complete.items() if arm == "ours") else 0
+        pending = [pool.submit(launch, r, args.out, args.timeout) for r in runs.values()]
+        for future in as_completed(pending):
+            run = future.result()
+            print(f"{run.config} ({run.arm}): {run.status} {run.error or ''}", flush=True)
+            text = write(runs, configs, args.out, fusion)
+    print(text)
+    return 1 if any(r.status != "ok" for (_, arm), r in runs.items() if arm == "ours") else 0
 
 
 if __name__ == "__main__":
