@@ -7,6 +7,7 @@ their own processes, a stock crash as a row with the run going on, and the judgi
 every kind of row; what the GPU run adds is TE itself.
 """
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -180,3 +181,41 @@ def test_a_stock_cell_that_hangs_is_killed_with_its_workers(tmp_path, monkeypatc
 
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert f"--out {tmp_path}" not in ps  # no worker left behind
+
+
+def test_every_cell_judged_with_stocks_known_failures_as_rows(tmp_path, monkeypatch):
+    """run_all (what the GPU test's fixture runs) over stand-in rows that behave as stock is
+    known to: every cell judged without failures, stock launched once per stock cell, the
+    table and JSON written; and a stock that does not fail where it is known to is a
+    failure."""
+    launched = []
+
+    def rows_like_the_gpu(arm, names, out, timeout, surprise=False):
+        launched.append((arm, tuple(names)))
+        rows = {}
+        for n in names:
+            cell = w.parse_cell(n)
+            expected = w.stock_expected(cell["kind"], cell["islands"])
+            if arm == "stock" and not surprise and expected == w.STOCK_NON_LEAF:
+                rows[n] = dict(cell=n, status="build failed", error=f"ValueError: {expected}")
+                continue
+            norm = math.inf if arm == "stock" and expected == "nonfinite" and not surprise else 1.0
+            rows[n] = _row(n, norms=(norm,) * 3, refs=(1.0,) * 3) | dict(arm=arm)
+        return rows
+
+    monkeypatch.setattr(w, "launch", rows_like_the_gpu)
+    monkeypatch.setattr(w, "compare_params", lambda a, b: dict(worst=0.5, equal=1, total=2, bad=[]))
+    judged, text = w.run_all(w.cells(), tmp_path / "out", 1.0)
+    assert set(judged) == set(w.cells())
+    assert not [r["failures"] for r in judged.values() if r["failures"]]
+    stock_runs = [names for arm, names in launched if arm == "stock"]
+    assert all("chunked" not in n for names in stock_runs for n in names)
+    assert sum(map(len, stock_runs)) == len({w.stock_cell(n) for n in w.cells()})
+    rows = json.loads((tmp_path / "out" / "te_layers.json").read_text())
+    assert [r["cell"] for r in rows] == w.cells()
+    assert "stock error: ValueError: can't optimize a non-leaf Tensor" in text
+    assert sum(r["stock"] == "nonfinite" for r in rows) == 3  # pa with islands, 3 cells
+
+    monkeypatch.setattr(w, "launch", lambda *a, **k: rows_like_the_gpu(*a, **k, surprise=True))
+    judged, _ = w.run_all(["pa_islands_on_mb1_w1", "pa_offload1.0_islands_on_mb1_w1"], tmp_path, 1)
+    assert all(r["failures"] for r in judged.values())

@@ -557,6 +557,26 @@ def judge(name: str, ours: dict, stock: dict, out: Path, stock_tol: float = 1e-6
     return row
 
 
+def run_all(names: list[str], out: Path, timeout: float) -> tuple[dict[str, dict], str]:
+    """Both arms of ``names``, a world size at a time (stock once per :func:`stock_cell`),
+    judged; the table and the rows as JSON written to ``out`` after each world size (a run
+    cut short keeps the first's). Returns the judged rows by cell, and the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    judged: dict[str, dict] = {}
+    text = ""
+    for world in sorted({parse_cell(n)["world"] for n in names}):
+        these = [n for n in names if parse_cell(n)["world"] == world]
+        ours = launch("ours", these, out, timeout=timeout)
+        stock = launch("stock", list(dict.fromkeys(map(stock_cell, these))), out, timeout=timeout)
+        for n in these:
+            judged[n] = judge(n, ours[n], stock[stock_cell(n)], out)
+        rows = [judged[n] for n in names if n in judged]
+        text = table(rows)
+        (out / "te_layers.txt").write_text(text + "\n")
+        (out / "te_layers.json").write_text(json.dumps(rows, indent=1, default=str))
+    return judged, text
+
+
 def table(rows: list[dict]) -> str:
     """The result rows as a fixed-width table (one line per cell)."""
 
@@ -566,13 +586,13 @@ def table(rows: list[dict]) -> str:
     def ratio(x):
         return "-" if x is None else f"{x:.2f}"
 
-    head = (f"{'cell':38} {'ours':4} {'vs fp64':>7} {'stock':14} {'vs fp64':>7} "
+    head = (f"{'cell':40} {'ours':4} {'vs fp64':>7} {'stock':14} {'vs fp64':>7} "
             f"{'step1':>5} {'equal':>5} {'loss':>7} {'last':>5}  verdict")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         stock = r["stock"] if r["stock"] != "build failed" else "fails to build"
         lines.append(
-            f"{r['cell']:38} {r['ours']:4} {fmt(r['ours_norm_err']):>7} {stock[:14]:14} "
+            f"{r['cell']:40} {r['ours']:4} {fmt(r['ours_norm_err']):>7} {stock[:14]:14} "
             f"{fmt(r['stock_norm_err']):>7} {ratio(r.get('params_worst')):>5} "
             f"{r.get('params_equal', '-'):>5} {fmt(r.get('loss_vs_stock')):>7} "
             f"{r.get('params_equal_last', '-'):>5}  {'ok' if not r['failures'] else 'FAILED'}"

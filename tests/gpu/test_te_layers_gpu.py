@@ -49,22 +49,11 @@ CELLS = w.cells()
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Both arms of every cell, judged; the table printed and (TE_LAYERS_OUT) saved."""
+    """Both arms of every cell, judged (``te_layers_worker.run_all``); the table printed and
+    (TE_LAYERS_OUT) saved."""
     out = Path(os.environ.get("TE_LAYERS_OUT") or tmp_path_factory.mktemp("te_layers"))
-    timeout = float(os.environ.get("TE_LAYERS_TIMEOUT", "400"))
-    judged = {}
-    for world in (1, 2):
-        names = [n for n in CELLS if w.parse_cell(n)["world"] == world]
-        stock_names = list(dict.fromkeys(w.stock_cell(n) for n in names))
-        ours = w.launch("ours", names, out, timeout=timeout)
-        stock = w.launch("stock", stock_names, out, timeout=timeout)
-        for n in names:
-            judged[n] = w.judge(n, ours[n], stock[w.stock_cell(n)], out)
-    rows = [judged[n] for n in CELLS]
-    text = w.table(rows)
+    judged, text = w.run_all(CELLS, out, float(os.environ.get("TE_LAYERS_TIMEOUT", "400")))
     print("\n" + text)
-    (out / "te_layers.txt").write_text(text + "\n")
-    (out / "te_layers.json").write_text(json.dumps(rows, indent=1, default=str))
     return judged
 
 
