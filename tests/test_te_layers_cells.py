@@ -1,6 +1,7 @@
 """The transformer-engine GPT cells of tests/gpu/test_te_layers_gpu.py, rehearsed on the CPU.
 
-The worker (``tests/gpu/te_layers_worker.py``) runs here with megatron-core's local layer
+The worker (``tests/gpu/te_layers_worker.py``, launched and judged by
+``tests/gpu/te_layers_driver.py``) runs here with megatron-core's local layer
 spec through ``tests/support/cpu_megatron.py`` (no TE, so no TE layers, no precision-aware
 optimizer, no offload): the GPT, islands, micro-batches, the fp64 reference, both arms in
 their own processes, a stock crash as a row with the run going on, and the judging of
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-import te_layers_worker as w  # noqa: E402
+import te_layers_driver as w  # noqa: E402
 
 # Without transformer-engine megatron-core's norm takes its fallback kernels, about 2e-6
 # from fp64 here (with TE on the GPU: within 1e-7, the GPU test's bound is 1e-6).

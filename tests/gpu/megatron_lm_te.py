@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 NAME = "megatron_lm_te"
 sys.path.insert(0, str(HERE))
-from te_layers_worker import run_group  # noqa: E402
+from te_layers_driver import run_group  # noqa: E402
 
 
 def flags(text: str) -> list[str]:

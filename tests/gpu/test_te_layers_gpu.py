@@ -6,10 +6,10 @@ FusedAdam), precision-aware with CPU offload at fractions 1.0 and 0.5 (megatron-
 per-parameter step and ours chunked), fp16 with a dynamic loss scale; fp32 islands (a
 per-layer vector kept in fp32) on and off; 1 and 2 micro-batches at one rank, 2 at two
 ranks (gloo on the one GPU, ``tests/support/multirank``). Each arm runs in processes of its
-own (``te_layers_worker.launch``): a stock cell that kills its process is a ``crashed`` row
+own (``te_layers_driver.launch``): a stock cell that kills its process is a ``crashed`` row
 and the cells after it run in a fresh one.
 
-Checked per cell (``te_layers_worker.judge``): ours' norm within 1e-6 of an fp64 norm of
+Checked per cell (``te_layers_driver.judge``): ours' norm within 1e-6 of an fp64 norm of
 megatron-core's reduced gradient buffers on every step (``megatron_lm_launcher.
 reference_norm``), clipping active, every step taken, every TE weight's gradient
 accumulated by TE into ``main_grad``, a bf16/fp16 buffer plus an fp32 one with islands on;
@@ -33,7 +33,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import te_layers_worker as w  # noqa: E402
+import te_layers_driver as w  # noqa: E402
 
 pytestmark = [
     pytest.mark.cuda,
@@ -49,7 +49,7 @@ CELLS = w.cells()
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Both arms of every cell, judged (``te_layers_worker.run_all``); the table printed and
+    """Both arms of every cell, judged (``te_layers_driver.run_all``); the table printed and
     (TE_LAYERS_OUT) saved."""
     out = Path(os.environ.get("TE_LAYERS_OUT") or tmp_path_factory.mktemp("te_layers"))
     judged, text = w.run_all(CELLS, out, float(os.environ.get("TE_LAYERS_TIMEOUT", "400")))
