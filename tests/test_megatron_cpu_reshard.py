@@ -43,12 +43,16 @@ FORMATS = ("fully_reshardable", "dp_reshardable")
 
 
 def build(option: bool, *, seed: int = 11, fp16: bool = False, extra: str | None = None,
-          rename: dict[str, str] | None = None):  # fmt: skip
+          rename: dict[str, str] | None = None, islands: tuple[str, ...] | None = None,
+          **optimizer):  # fmt: skip
     """DDP and the distributed optimizer (Adam, clipped), ``sink`` in a group of its own.
 
     ``extra``: one more parameter of that name, bf16 marked ``keep_in_fp32`` (an fp32
     island the checkpoint does not have). ``rename``: parameters registered under other
-    names. ``fp16``: fp16 weights and megatron-core's dynamic loss scaler.
+    names. ``islands``: the bf16 parameters marked ``keep_in_fp32`` instead of ``alpha``
+    (with the option; an unmarked ``alpha`` is an ordinary bf16 parameter). ``fp16``: fp16
+    weights and megatron-core's dynamic loss scaler, starting at 1024 (its default, 2**32,
+    overflows fp16 gradients on every step). ``optimizer``: more ``OptimizerConfig`` fields.
     """
     from megatron.core.optimizer import (
         OptimizerConfig,
@@ -65,6 +69,11 @@ def build(option: bool, *, seed: int = 11, fp16: bool = False, extra: str | None
         for p in module.parameters():
             if p.dtype == BF16:
                 p.data = p.data.to(torch.float16)
+    for name, p in module.named_parameters() if option and islands is not None else ():
+        if name in islands:
+            megatron_ext.mark_keep_in_fp32(p)
+        elif megatron_ext.fp32.is_keep_in_fp32(p):
+            del p.keep_in_fp32
     if extra is not None:
         p = torch.nn.Parameter(torch.randn(8, generator=torch.Generator().manual_seed(5)).to(BF16))
         module.register_parameter(extra, p)
@@ -81,7 +90,8 @@ def build(option: bool, *, seed: int = 11, fp16: bool = False, extra: str | None
     model = megatron_ext.DistributedDataParallel(tcfg, ddp_config, module)
     ocfg = OptimizerConfig(
         optimizer="adam", lr=LR, clip_grad=CLIP, bf16=not fp16, fp16=fp16,
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=True, **({"initial_loss_scale": 1024.0} if fp16 else {}),
+        **optimizer,
     )  # fmt: skip
     overrides = get_standard_config_overrides(ocfg)
     overrides[ParamKey(name="*sink")] = {"max_lr": LR}
