@@ -198,9 +198,8 @@ def _die_after_first_file(patch) -> None:
     write = FileSystemWriterAsync.write_preloaded_data
 
     def write_then_die(*args, **kwargs):
-        result = write(*args, **kwargs)
+        write(*args, **kwargs)
         os._exit(KILLED)
-        return result
 
     patch.setattr(FileSystemWriterAsync, "write_preloaded_data", staticmethod(write_then_die))
 
@@ -208,9 +207,9 @@ def _die_after_first_file(patch) -> None:
 def faults_job(rank, world, log, out_dir, out):
     """The non-finite gradient runs; two steps and a checkpoint (``previous``) and the same
     for a model with one more island (``with_extra``) and with none (``no_island``: alpha
-    an ordinary bf16 parameter); two more steps and a save to
-    ``partial`` during which rank 0, the one that writes files in this layout, dies after
-    its first: the last thing this spawn does."""
+    an ordinary bf16 parameter); two more steps and a save to ``partial`` during which
+    rank 0, the one that writes files in this layout, dies after its first: the last thing
+    this spawn does."""
     nonfinite_job(rank, world, log, out_dir, out)
     saves = ("with_extra", dict(extra="extra")), ("no_island", dict(islands=())), ("previous", {})
     for directory, kwargs in saves:
