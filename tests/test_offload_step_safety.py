@@ -3,6 +3,8 @@ step counters shared between parameters, and the per-step work it does not redo.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -96,11 +98,17 @@ def test_a_step_failing_part_way_refuses_to_continue_until_a_load(cpu_streams, m
     bf16, fp32, hdo, _, bind = run
     gen = torch.Generator().manual_seed(11)
     one_step(bf16, fp32, bind, hdo, 0, gen)
-    saved = hdo.state_dict()
-    failing = _Failing(monkeypatch, at=3)
+    saved = copy.deepcopy(hdo.state_dict())  # a checkpoint, not the live tensors
+    log = cpu_streams
+    before = len(log.copies)
+    failing = _Failing(monkeypatch, at=8)  # the GPU part's: every chunk went back
     with pytest.raises(RuntimeError, match="injected failure"):
         one_step(bf16, fp32, bind, hdo, 1, gen)
-    assert failing.calls == 3
+    assert failing.calls == 8
+    # no copy left in flight, the ones back to the device included: the host has seen
+    # every one complete
+    assert any(op.what.startswith("h2d") for op in log.copies[before:])
+    assert all(log.known_done(op) for op in log.copies)
     monkeypatch.setattr(torch, "_fused_adamw_", failing.real)
     with pytest.raises(RuntimeError, match="failed part way .*load the last checkpoint"):
         one_step(bf16, fp32, bind, hdo, 1, gen)

@@ -137,27 +137,23 @@ def add_island_copies(
     to the CPU from the island: one staging slice each, copied after its block's."""
     if not pieces:
         return
-    if mirror.device_convert:  # straight into the fp32 staging, where the CPU reads it
-        for span, view in pieces:
-            local = mirror.layout.local(span)
-            if view.numel() != span.numel:
-                raise ValueError(f"island view of {view.numel()} elements for {span}")
-            block = mirror.blocks[mirror.layout.block_of(span)]
-            block.islands.append(
-                (mirror.cpu_grads[local.start : local.end], view, None, local.start)
-            )
-        return
-    stage = torch.zeros(sum(v.numel() for _, v in pieces), dtype=torch.float32, pin_memory=pin)
-    mirror.island_staging = stage
+    stage = None
+    if not mirror.device_convert:
+        stage = torch.zeros(sum(v.numel() for _, v in pieces), dtype=torch.float32, pin_memory=pin)
+        mirror.island_staging = stage
     off = 0
     for span, view in pieces:
         if view.numel() != span.numel:
             raise ValueError(f"island view of {view.numel()} elements for {span}")
-        _, cpu = mirror.cpu_views(span)
+        local = mirror.layout.local(span)
         block = mirror.blocks[mirror.layout.block_of(span)]
-        block.islands.append(
-            (stage[off : off + span.numel], view, cpu, mirror.layout.local(span).start)
-        )
+        if stage is None:  # straight into the fp32 staging, where the CPU reads it
+            block.islands.append(
+                (mirror.cpu_grads[local.start : local.end], view, None, local.start)
+            )
+            continue
+        _, cpu = mirror.cpu_views(span)
+        block.islands.append((stage[off : off + span.numel], view, cpu, local.start))
         off += span.numel
 
 

@@ -48,7 +48,7 @@ from .host_mirror import (
     build_buffer_mirror,
     chunk_copies,
 )
-from .plan import MirrorLayout, copy_schedule, mirror_layout
+from .plan import MirrorLayout, copy_schedule, itemsize, mirror_layout
 from .step import (
     DEFAULT_CHUNK_NUMEL,
     DEFAULT_COMPUTE_NUMEL,
@@ -297,7 +297,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         stream; then per chunk, in order: wait for its copy; in cache-sized sub-ranges
         convert, one fused AdamW call per family of parameters, pack; its host-to-device
         copy on the other stream; so that chunk i's copies overlap the update of its
-        neighbours; then the step counters advance and the GPU optimizer steps.
+        neighbours; then the GPU optimizer steps and the step counters advance.
 
         If the CPU part raises, every copy already issued completes before the exception
         leaves, and the compute stream waits for the copies back. Raised before any fused
@@ -344,32 +344,28 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                 steppers[k].update(i, chunk)  # convert, update, pack, sub-range by sub-range
                 with torch.cuda.stream(self._h2d_stream):
                     chunk.start_h2d()
+            # after the CPU part: a CPU failure leaves the GPU part untouched too
+            if self.gpu_optimizer is not None:
+                self.gpu_optimizer.step()
         except BaseException:
-            # no copy left in flight: the host may free or reuse the staging, and later
-            # device work is ordered after the copies back already issued
+            # no copy left in flight: the host may free or reuse the staging
             for event in events[waited:]:
                 event.synchronize()
-            self._h2d_done.record(self._h2d_stream)
-            compute.wait_event(self._h2d_done)
-            self._h2d_done.synchronize()
+            self._h2d_stream.synchronize()
             updated = sum(s.updated for s in steppers)
             if updated:
                 self._torn = (
                     f"the previous offloaded optimizer step failed part way ({updated} fused "
-                    "AdamW calls had updated parameters and moments, the others had not), "
+                    "AdamW calls on the host had updated parameters and moments, the rest "
+                    "of the step had not), "
                     "so this optimizer's state is inconsistent; load the last checkpoint "
                     "(load_state_dict) before stepping again"
                 )
             raise
-        self._h2d_done.record(self._h2d_stream)
-        compute.wait_event(self._h2d_done)
+        finally:  # later device work is ordered after the copies back already issued
+            self._order_after_copies_back(compute)
         for stepper in steppers:
             stepper.finish()
-        # its kernels queue on the compute stream behind the wait for the copies back,
-        # and run while the next host work begins; after the CPU part, so that a CPU
-        # failure leaves the GPU part untouched too
-        if self.gpu_optimizer is not None:
-            self.gpu_optimizer.step()
         self._sync_sub_optimizers_state_to_hdo()
 
     def _refuse_if_lean(self, why: str) -> None:
@@ -417,8 +413,12 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         with torch.cuda.stream(self._h2d_stream):
             for block in blocks:
                 block.start_h2d()
+        self._order_after_copies_back(torch.cuda.current_stream())
+
+    def _order_after_copies_back(self, stream) -> None:
+        """``stream``'s later work waits for every host-to-device copy issued so far."""
         self._h2d_done.record(self._h2d_stream)
-        torch.cuda.current_stream().wait_event(self._h2d_done)
+        stream.wait_event(self._h2d_done)
 
     def _set_gpu_grads(self, optimizer, args, kwargs) -> None:
         """The GPU optimizer's gradients, on the compute stream just before its step.
@@ -475,9 +475,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                 flat = stepper.host_params
                 params = sum(e.local.numel for e in stepper.entries)
                 allocated = stepper.exp_avg is not None
-                per_element = sum(
-                    torch.empty((), dtype=d).element_size() for d in stepper.moment_dtypes
-                )
+                per_element = sum(itemsize(d) for d in stepper.moment_dtypes)
                 row["moment_bytes"] = flat.numel() * per_element if allocated else 0
                 row["moment_padding_bytes"] = (
                     (flat.numel() - params) * per_element if allocated else 0
