@@ -13,6 +13,7 @@ import torch
 
 from buffers import FlatGradBuffers, GradientOutsideBufferError
 from buffers.registrations import ModelRoot, model_root
+from tests.test_bindings import assert_every_call_raises
 
 LATE = r"parameter '{}' was registered on the model after .*build a new FlatGradBuffers"
 
@@ -41,24 +42,6 @@ def assert_like_torch(fgb, net, seed, max_norm=0.5):
     coeff = min(1.0, max_norm / (want + 1e-6))
     for p, g in zip(params, grads, strict=True):
         torch.testing.assert_close(p.grad.double(), g * coeff, rtol=1e-5, atol=1e-12)
-
-
-def every_call(fgb):
-    return {
-        "grad_norm": fgb.grad_norm,
-        "clip_grad_norm_": lambda: fgb.clip_grad_norm_(1.0),
-        "count_zeros": fgb.count_zeros,
-        "per_param": lambda: fgb.grad_norm(per_param=True),
-        "zero_": fgb.zero_,
-        "check_bindings": fgb.check_bindings,
-    }
-
-
-def assert_every_call_raises(fgb, match):
-    for name, call in every_call(fgb).items():
-        with pytest.raises(GradientOutsideBufferError, match=match):
-            call()
-            pytest.fail(f"{name} did not raise")
 
 
 BUILDS = {

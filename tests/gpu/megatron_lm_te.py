@@ -40,24 +40,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 NAME = "megatron_lm_te"
 sys.path.insert(0, str(HERE))
+from megatron_lm_gpt import flags, gpt  # noqa: E402
 from te_layers_driver import run_group  # noqa: E402
 
-
-def flags(text: str) -> list[str]:
-    return text.split()
-
-
 # tests/gpu/test_megatron_lm_gpu.py's GPT with transformer-engine's layers; one rank.
-GPT = flags(
-    "--mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --num-layers 2 "
-    "--hidden-size 256 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
-    "--micro-batch-size 2 --global-batch-size 2 --lr 3e-4 --bf16 "
-    "--transformer-impl transformer_engine --log-interval 1 --eval-iters 0 "
-    "--eval-interval 1000 --use-distributed-optimizer --clip-grad 1.0 --split 99,1,0 "
-    "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
-    "--no-rope-fusion --hidden-dropout 0 --attention-dropout 0 --seed 1234 "
-    "--log-num-zeros-in-grad"
-)
+GPT = [*gpt("transformer_engine"), "--global-batch-size", "2"]
 NO_FUSION = "--no-gradient-accumulation-fusion"
 ON = ["--per-dtype-grad-buffers"]
 ISLANDS = flags(

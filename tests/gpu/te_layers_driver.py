@@ -99,7 +99,7 @@ _ERROR = re.compile(r"Signal \d+|SIG[A-Z]+|\b\w+(Error|Exception): |illegal memo
 def run_group(cmd: list[str], env: dict, cwd, timeout: float) -> tuple[int | str, str]:
     """Run ``cmd``; its exit status (``"timeout"`` when it ran past ``timeout`` seconds:
     then it and every process under it are killed, torchrun's workers too, which it starts
-    in sessions of their own, so that none is left holding the GPU) and its output."""
+    in process groups of their own, so that none is left holding the GPU) and its output."""
     import signal
     import subprocess
 

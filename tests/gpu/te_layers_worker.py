@@ -56,36 +56,18 @@ CLIP = 0.05  # small enough that clipping is active on every step
 KINDS: dict[str, dict] = {
     "distopt": dict(opt={}),
     "pa": dict(opt=dict(use_precision_aware_optimizer=True)),
-    "pa_offload1.0": dict(
-        opt=dict(
-            use_precision_aware_optimizer=True,
-            optimizer_cpu_offload=True,
-            optimizer_offload_fraction=1.0,
+    **{
+        f"pa_offload{fraction}{'_chunked' if step else ''}": dict(
+            opt=dict(
+                use_precision_aware_optimizer=True,
+                optimizer_cpu_offload=True,
+                optimizer_offload_fraction=fraction,
+            ),
+            **({"step": step} if step else {}),
         )
-    ),
-    "pa_offload1.0_chunked": dict(
-        opt=dict(
-            use_precision_aware_optimizer=True,
-            optimizer_cpu_offload=True,
-            optimizer_offload_fraction=1.0,
-        ),
-        step="chunked",
-    ),
-    "pa_offload0.5": dict(
-        opt=dict(
-            use_precision_aware_optimizer=True,
-            optimizer_cpu_offload=True,
-            optimizer_offload_fraction=0.5,
-        )
-    ),
-    "pa_offload0.5_chunked": dict(
-        opt=dict(
-            use_precision_aware_optimizer=True,
-            optimizer_cpu_offload=True,
-            optimizer_offload_fraction=0.5,
-        ),
-        step="chunked",
-    ),
+        for fraction in (1.0, 0.5)
+        for step in (None, "chunked")
+    },
     "fp16": dict(
         opt=dict(initial_loss_scale=2.0**12, min_loss_scale=1.0, loss_scale_window=1000),
         fp16=True,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron_lm_gpt import flags, gpt
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH", "")
 
@@ -35,19 +36,7 @@ ROOT = HERE.parent.parent
 MULTIRANK = HERE.parent / "support" / "multirank"
 
 
-def flags(text: str) -> list[str]:
-    return text.split()
-
-
-GPT = flags(
-    "--mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --num-layers 2 "
-    "--hidden-size 256 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
-    "--micro-batch-size 2 --lr 3e-4 --bf16 --transformer-impl local --log-interval 1 "
-    "--eval-iters 0 --eval-interval 1000 --use-distributed-optimizer --clip-grad 1.0 "
-    "--split 99,1,0 --no-gradient-accumulation-fusion --no-persist-layer-norm "
-    "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
-    "--hidden-dropout 0 --attention-dropout 0 --seed 1234 --log-num-zeros-in-grad"
-)
+GPT = [*gpt("local"), "--no-gradient-accumulation-fusion", "--no-persist-layer-norm"]
 # fp32 islands: MoE router weights kept in fp32 (the router's gating accepts a bf16 input with
 # an fp32 weight; a torch LayerNorm on CUDA would not), with CPU offload of the optimizer.
 ISLANDS = flags(
