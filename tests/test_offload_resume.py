@@ -190,3 +190,20 @@ def test_stock_resume_with_a_per_group_step_optimizer_drifts(cpu_streams, monkey
     )
     assert not te_like
     assert torch_adamw
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_only_a_per_group_count_goes_back_into_the_groups(cpu_streams, monkeypatch, fraction):
+    """A torch optimizer's group ``step`` (a copy made at a load, not its count) never
+    reaches the offload optimizer's groups (at fraction 1 no GPU optimizer would overwrite
+    it); the per-group stand-in's count does."""
+    run = _run((MirrorChunked, MirrorChunked), GroupStepAdam, fraction, monkeypatch, SAVE_AT)
+    hdo = run[2]
+    for opt in hdo.cpu_optimizers:
+        for group in opt.param_groups:
+            group["step"] = 999  # what a stale copy would hold
+    one_step(run[0], run[1], lambda: None, hdo, STEPS, torch.Generator().manual_seed(1))
+    steps = [g.get("step") for g in hdo.param_groups]
+    assert 999 not in steps
+    if hdo.gpu_optimizer is not None:
+        assert STEPS + 1 in steps  # the GPU optimizer's own count, for its groups

@@ -137,12 +137,11 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             for opt in self.sub_optimizers
             for j, g in enumerate(opt.param_groups)
         ]
-        self._steps_before: list = [None] * len(self._group_pairs)
 
     def _sync_hdo_param_groups_to_sub_optimizers(self):
         """Each param group's hyperparameters (lr, weight decay, ...) into the sub-optimizer
-        groups built from it, ``step`` excepted: a sub-optimizer keeps its own count, and a
-        per-group count it advances is copied back after the step
+        groups built from it, ``step`` excepted: a sub-optimizer keeps its own count, and
+        one that counts per group has it copied back after the step
         (:meth:`_sync_sub_optimizers_state_to_hdo`), so that a checkpoint saves it.
 
         megatron-core's version copies ``step`` too. An optimizer that counts steps per
@@ -151,21 +150,21 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         checkpoint load, the saved step, so its bias correction stays at the saved step + 1
         until the next restart (torch's optimizers count per parameter and are immune).
         """
-        for k, (opt, j, i) in enumerate(self._group_pairs):
+        for opt, j, i in self._group_pairs:
             sub = opt.param_groups[j]
             for key, value in self.param_groups[i].items():
                 if key not in ("params", "step"):
                     sub[key] = value
-            self._steps_before[k] = sub.get("step")
 
     def _sync_sub_optimizers_state_to_hdo(self):
-        """megatron-core's state sync, then every per-group ``step`` a sub-optimizer
-        advanced in this step into this optimizer's group (what a checkpoint saves; at
-        offload fraction 0 megatron-core finds no per-parameter step to save)."""
+        """megatron-core's state sync, then the ``step`` of every sub-optimizer group that
+        counts steps per group into this optimizer's group (what a checkpoint saves; at
+        offload fraction 0 megatron-core finds no per-parameter step to save). A torch
+        optimizer's group ``step`` (copied in at a load) is not its count: not copied."""
         super()._sync_sub_optimizers_state_to_hdo()
-        for (opt, j, i), before in zip(self._group_pairs, self._steps_before, strict=True):
+        for opt, j, i in self._group_pairs:
             step = opt.param_groups[j].get("step")
-            if step is not None and step != before:
+            if step is not None and _counts_per_group(opt):
                 self.param_groups[i]["step"] = step
 
     def _move_new_state_to_right_device(self):
@@ -179,7 +178,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         an uninterrupted run does not have.
         """
         for opt in self.sub_optimizers:
-            if not type(opt).__module__.startswith("torch.optim"):
+            if _counts_per_group(opt):
                 for state in opt.state.values():
                     state.pop("step", None)
         place_sub_optimizer_state(self)
@@ -487,6 +486,12 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                     if t is not None
                 )
         return stats
+
+
+def _counts_per_group(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` keeps ``step`` per param group (transformer-engine's and Apex's
+    ``FusedAdam``) rather than per parameter in its state (torch's optimizers)."""
+    return not type(opt).__module__.startswith("torch.optim")
 
 
 @contextlib.contextmanager
