@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import native
 from .options import DEFAULT, BufferOptions
 from .segments import SegmentTable, SpanSegments, torch_segment_stats_
 
@@ -242,7 +243,9 @@ def _scale_piece(piece: list[torch.Tensor], coeff: torch.Tensor):
 
 
 def _cpu_power_sum(views: Sequence[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
-    """:func:`_power_sum_chunked` on the CPU: cache-sized pieces, few ops, no op-level threads.
+    """:func:`_power_sum_chunked` on the CPU: the compiled kernel (:mod:`buffers.native`:
+    one pass, fp64 accumulation) for p = 1, 2 over contiguous bf16/fp16/fp32 views where it
+    is fast; otherwise torch's ops in cache-sized pieces, few ops, no op-level threads.
 
     Views are cut and packed into pieces of ``_CHUNK["cpu"]`` elements (:func:`_pieces`),
     so a call makes about three ops per piece whatever the number of views. Each piece is
@@ -253,6 +256,10 @@ def _cpu_power_sum(views: Sequence[torch.Tensor], p: float, acc: torch.dtype) ->
     shared out by :func:`run_pieces`; the per-piece sums are added in piece order, so the
     result has the same bits at any thread count.
     """
+    if acc == torch.float32:
+        kernel = native.kernel()
+        if kernel is not None and kernel.handles(views, p):
+            return torch.tensor(kernel.power_sum(views, p, run_pieces), dtype=acc)
     pieces = _pieces(views, _CHUNK["cpu"])
     if not pieces:
         return torch.zeros((), dtype=acc)
@@ -408,7 +415,11 @@ class TorchBackend:
             torch._foreach_mul_(list(views), coeff)
 
     def prepare(self, views: Sequence[torch.Tensor]) -> None:
-        """Build whatever per-span state the backend caches (called at construction)."""
+        """Build whatever per-span state the backend caches (called at construction): on
+        the CPU, the compiled kernel (:mod:`buffers.native`), so the first norm does not
+        wait for a compiler."""
+        if views and views[0].device.type == "cpu" and views[0].dtype in native.KINDS:
+            native.kernel()
 
     def segment_stats_(
         self,

@@ -166,7 +166,7 @@ def test_megatron_quickstart_without_a_gpu_says_so_in_one_line():
     assert proc.stderr.count("\n") == 1 and "needs a CUDA GPU" in proc.stderr, proc.stderr
 
 
-def test_the_wheel_ships_every_module_and_py_typed(tmp_path):
+def test_the_wheel_ships_every_module_py_typed_and_the_kernels_source(tmp_path):
     for package in ("buffers", "megatron_ext"):
         assert (ROOT / package / "py.typed").is_file(), package
     pytest.importorskip("setuptools")
@@ -186,13 +186,13 @@ def test_the_wheel_ships_every_module_and_py_typed(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"buffers/py.typed", "megatron_ext/py.typed"} <= names
+    assert {"buffers/py.typed", "megatron_ext/py.typed", "buffers/cpu_sums.c"} <= names
     # every module ships, subpackages' too (setuptools lists packages explicitly)
     sources = {
         str(f.relative_to(ROOT))
         for package in ("buffers", "megatron_ext")
         for f in (ROOT / package).rglob("*.py")
-    }
+    } | {str(f.relative_to(ROOT)) for f in (ROOT / "buffers").rglob("*.c")}
     assert "megatron_ext/offload/hybrid.py" in sources
     assert sources - names == set()
 

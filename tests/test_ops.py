@@ -7,9 +7,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from buffers import ops
+from buffers import native, ops
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def cpu_path(request, monkeypatch):
+    """Every test here on both CPU paths: the compiled kernel (buffers.native: p = 1, 2 over
+    bf16/fp16/fp32) and torch's ops in pieces (everything else, and all of it when the
+    kernel is off)."""
+    if request.param == "torch":
+        monkeypatch.setenv("BUFFERS_CPU_KERNEL", "off")
+    else:
+        monkeypatch.delenv("BUFFERS_CPU_KERNEL", raising=False)
+        if native.kernel() is None:
+            pytest.skip(f"the CPU kernel is not available here: {native.describe()}")
+    return request.param
 
 
 def random_views(n_views: int, max_len: int, dtype: torch.dtype, seed: int):
