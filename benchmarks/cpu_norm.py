@@ -14,15 +14,20 @@ first ``grad_norm`` of a freshly built ``FlatGradBuffers`` (one call per round, 
 new parameters holding the same gradients). Clips use ``max_norm=0``: the coefficient is
 0 at every call, so the scale always runs (a clip whose coefficient is 1 skips it).
 Accuracy: each side's norm of the random gradients against an fp64 norm of the same
-values.
+values. ``ours`` is the default CPU path (the compiled kernel, ``buffers.native``, where
+it is available; the header says which ran); ``ours_torch_ops`` the same buffers with
+``BUFFERS_CPU_KERNEL=off`` (torch's ops in pieces: the path before the kernel, and the
+one without a compiler).
 
-Record fields: inventory, dtype, num_params, numel, threads, busy, variant (ours, torch),
+Record fields: inventory, dtype, num_params, numel, threads, busy, variant (ours,
+ours_torch_ops, torch),
 op (norm, clip, first), rounds, time_s, time_spread, time_rounds_s, ratio (ours / torch for
 norm and clip; first / ours' steady norm for first), rel_err (norm only), error, error_at.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -34,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from buffers import FlatGradBuffers  # noqa: E402
+from buffers import FlatGradBuffers, native  # noqa: E402
 
 NAME = "cpu_norm"
 INVENTORIES = ("few_large", "many_small")
@@ -117,6 +122,23 @@ class Busy:
             p.wait()
 
 
+def _torch_ops(fn):
+    """``fn`` with the compiled kernel off (``BUFFERS_CPU_KERNEL=off``) for the call."""
+
+    def run():
+        before = os.environ.get("BUFFERS_CPU_KERNEL")
+        os.environ["BUFFERS_CPU_KERNEL"] = "off"
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ["BUFFERS_CPU_KERNEL"]
+            else:
+                os.environ["BUFFERS_CPU_KERNEL"] = before
+
+    return run
+
+
 def _timed(fn, reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -151,6 +173,7 @@ def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, ro
     ref = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])).item()
     rel_err = {
         "ours": fgb.grad_norm().item() / ref - 1,
+        "ours_torch_ops": _torch_ops(fgb.grad_norm)().item() / ref - 1,
         "torch": torch.nn.utils.get_total_norm(grads).float().item() / ref - 1,
     }
 
@@ -165,8 +188,10 @@ def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, ro
 
     calls = {
         ("ours", "norm"): fgb.grad_norm,
+        ("ours_torch_ops", "norm"): _torch_ops(fgb.grad_norm),
         ("torch", "norm"): lambda: torch.nn.utils.get_total_norm(grads),
         ("ours", "clip"): lambda: fgb.clip_grad_norm_(0.0),
+        ("ours_torch_ops", "clip"): _torch_ops(lambda: fgb.clip_grad_norm_(0.0)),
         ("torch", "clip"): lambda: torch.nn.utils.clip_grad_norm_(theirs, 0.0, foreach=True),
     }
     records = []
@@ -200,7 +225,7 @@ def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, ro
                     rows[key] = rec
                 for (variant, op), rec in rows.items():
                     other = ("torch", op) if op != "first" else ("ours", "norm")
-                    if variant == "ours" and "time_s" in rec and "time_s" in rows[other]:
+                    if variant.startswith("ours") and "time_s" in rec and "time_s" in rows[other]:
                         rec["ratio"] = rec["time_s"] / rows[other]["time_s"]
                 records += rows.values()
     finally:
@@ -250,6 +275,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     per_round = common.per_round(reps, rounds)
     title = common.run_title(device)
     print(title)
+    print(f"CPU norm path: {native.describe()}")
     records = []
     for inventory in [i for i in args.inventories.split(",") if i]:
         if inventory not in INVENTORIES:

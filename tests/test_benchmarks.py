@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -786,16 +787,22 @@ def test_cpu_norm_rows_and_accuracy(tmp_path):
     written = read_outputs(tmp_path, "cpu_norm")
     assert [(w["op"], w["time_s"]) for w in written] == [(r["op"], r["time_s"]) for r in records]
     keys = {(r["inventory"], r["busy"], r["variant"], r["op"]) for r in records}
-    ops = {("ours", "norm"), ("torch", "norm"), ("ours", "clip"), ("torch", "clip")}
+    ops = {(v, o) for v in ("ours", "ours_torch_ops", "torch") for o in ("norm", "clip")}
     ops.add(("ours", "first"))
     assert keys == {(i, b, v, o) for i in script.INVENTORIES for b in (0, 1) for v, o in ops}
     for r in records:
         assert "error" not in r, r
         assert r["time_s"] > 0 and len(r["time_rounds_s"]) == 2
-        assert (r.get("ratio") is not None) == (r["variant"] == "ours")
-        if r["op"] == "norm" and r["variant"] == "ours":
+        assert (r.get("ratio") is not None) == (r["variant"] != "torch")
+        if r["op"] == "norm" and r["variant"] != "torch":
             assert abs(r["rel_err"]) < 2e-7  # fp32 accumulation; torch's is bf16's
     assert {r["num_params"] for r in records} == {150, 40}
+    # ours_torch_ops runs with the kernel off, and leaves the setting as it found it
+    from buffers import native
+
+    before = os.environ.get("BUFFERS_CPU_KERNEL")
+    assert script._torch_ops(native.choice)() == "off"
+    assert os.environ.get("BUFFERS_CPU_KERNEL") == before
 
 
 def test_cpu_norm_refuses_cuda_and_bad_small(monkeypatch):
