@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import uuid
 import warnings
 
 import pytest
@@ -200,7 +201,9 @@ def run_ranks(tmp_path, world: int, job, *args) -> list:
     """``job`` (a name in ``JOBS`` or a module-level function) on ``world`` spawned gloo
     ranks; each rank's result, in rank order."""
     name = _name(job)
-    init = str(tmp_path / f"init-{name}-{world}")
+    # A fresh rendezvous file per call: a second spawn at the same size over a used one
+    # meets the last spawn's addresses and never connects.
+    init = str(tmp_path / f"init-{name}-{world}-{uuid.uuid4().hex}")
     mp.spawn(_rank_main, args=(world, init, str(tmp_path), job, args), nprocs=world)
     outs = [
         torch.load(tmp_path / f"{name}-{world}-rank{r}.pt", weights_only=False)

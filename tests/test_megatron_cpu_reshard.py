@@ -1,15 +1,19 @@
 """Resharding a checkpoint with the option, on the CPU: megatron-core's real DDP, distributed
-optimizer and ``dist_checkpointing`` (torch_dist) through ``tests/support/cpu_megatron.py``.
+optimizer and ``dist_checkpointing`` (torch_dist) through ``tests/support/cpu_megatron.py``,
+at data-parallel sizes 1, 2 and 4.
 
 The model of ``tests/test_megatron_cpu.py`` (bf16 MLP, an fp32 island ``alpha``, a natively
 fp32 ``sink``), with ``sink`` in a param group of its own (a ``max_lr`` override, which no
-scheduler reads here): at DP=2 the whole fp32 buffer lies in rank 0's shard, so that group
-is empty on rank 1.
+scheduler reads here): at DP=2 and DP=4 the whole fp32 buffer lies in rank 0's shard, so
+that group is empty on the other ranks.
 
-The same data at either shape: step ``s`` trains on ``batch(0, s)`` and ``batch(1, s)``; at
-DP=2 one each per rank, at DP=1 both as two micro-batches of half the loss each. The
-gradients are then the same bits at both shapes (see ``TOLERANCE``); what changes is the
-order in which the gradient norm's squares are summed.
+The same data at every shape: step ``s`` trains on ``batch(0, s)`` and ``batch(1, s)``; at
+DP=2 one each per rank; at DP=1 both as two micro-batches of half the loss each; at DP=4
+ranks 0 and 1 as at DP=2 (their loss times 2, as DDP divides by 4), ranks 2 and 3 a batch
+with its loss times 0 (gradients of exactly 0, which add nothing to the sum and round
+nothing). The gradients are then the same bits at every shape (see ``TOLERANCE``); what
+changes is how the optimizer state is sharded and the order in which the gradient norm's
+squares are summed.
 """
 
 from __future__ import annotations
@@ -99,14 +103,15 @@ def build(option: bool, *, seed: int = 11, fp16: bool = False, extra: str | None
 
 
 def train_steps(model, opt, rank: int, world: int, steps) -> list[float]:
-    """Steps of the data both shapes share: rank ``r`` of 2 trains on ``batch(r, s)``;
-    one rank trains on both, each with half the loss (DDP scales by 1/world instead)."""
+    """Steps of the data every shape shares: rank ``r`` of 2 trains on ``batch(r, s)``;
+    one rank trains on both, each with half the loss (DDP scales by 1/world instead); of 4,
+    ranks 2 and 3 add gradients of exactly 0 (their loss times 0)."""
     norms = []
     for s in steps:
         model.zero_grad_buffer()
         opt.zero_grad()
-        for r in range(rank, 2, world):
-            (model(*batch(r, s)) * (world / 2)).backward()
+        for r in range(rank, max(world, 2), world):
+            (model(*batch(r % 2, s)) * (world / 2 if r < 2 else 0.0)).backward()
         model.finish_grad_sync()
         ok, norm, _ = opt.step()
         assert ok
@@ -179,10 +184,11 @@ def _error(e: Exception) -> dict:
 
 def reshard_job(rank, world, log, out_dir, plan):
     """Per (option, fmt, path) in ``plan["save"]``: STEPS steps from the common initial
-    values, saving after SAVED_AT; then per (saved_world, saved_option, option, fmt, path)
-    in ``plan["load"]``, a run built from other values loads that checkpoint and continues
-    to STEPS. Snapshots at the save, after the load and at the end; a load's exception is
-    its result."""
+    values, saving after SAVED_AT; per (option, fmt, path) in ``plan["probe"]``, whether
+    the optimizer's sharded state dict in that format can be built after SAVED_AT steps; then per
+    (saved_world, saved_option, option, fmt, path) in ``plan["load"]``, a run built from
+    other values loads that checkpoint and continues to STEPS. Snapshots at the save, after
+    the load and at the end; a load's or a probe's exception is its result."""
     out = {}
     for option, fmt, path in plan["save"]:
         with adam_path(path):
@@ -197,6 +203,15 @@ def reshard_job(rank, world, log, out_dir, plan):
             norms += train_steps(model, opt, rank, world, range(SAVED_AT, STEPS))
         out["run", option, fmt, path] = dict(at_save=at_save, end=snapshot(model, opt),
                                              norms=norms, save_error=saved)  # fmt: skip
+    for option, fmt, path in plan.get("probe", []):
+        with adam_path(path):
+            model, opt = build(option)
+            train_steps(model, opt, rank, world, range(SAVED_AT))  # a state to save
+            try:  # local: no collective, so a rank that fails here leaves no peer waiting
+                _sharded(model, opt, fmt, loading=False)
+                out["probe", option, fmt, path] = None
+            except Exception as e:  # noqa: BLE001 - megatron-core's refusal is the result
+                out["probe", option, fmt, path] = _error(e)
     for saved_world, saved_option, option, fmt, path in plan["load"]:
         key = "load", saved_world, saved_option, option, fmt, path
         with adam_path(path):
@@ -214,36 +229,51 @@ def reshard_job(rank, world, log, out_dir, plan):
 
 ON, OFF = True, False
 FULL, DP = FORMATS
-# (saved at, saved with, loaded with, format, Adam path), each loaded at the other DP size
+# (saved at, saved with, loaded with, format, Adam path, loaded at)
 LOADS = [
-    (2, ON, ON, FULL, "torch"),
-    (2, ON, ON, DP, "torch"),
-    (1, ON, ON, FULL, "torch"),
-    (2, OFF, ON, FULL, "torch"),
-    (1, ON, OFF, FULL, "apex"),
-    (2, OFF, ON, FULL, "apex"),
+    (2, ON, ON, FULL, "torch", 1),
+    (2, ON, ON, DP, "torch", 1),
+    (1, ON, ON, FULL, "torch", 2),
+    (2, OFF, ON, FULL, "torch", 1),
+    (1, ON, OFF, FULL, "apex", 2),
+    (2, OFF, ON, FULL, "apex", 1),
+    (2, ON, ON, FULL, "torch", 4),
+    (4, ON, ON, FULL, "torch", 2),
+    (4, ON, ON, FULL, "torch", 1),
+    (2, OFF, ON, FULL, "apex", 4),
+    (4, ON, OFF, FULL, "apex", 2),
 ]
 # stock megatron-core cannot load these; what it does instead is asserted below
-STOCK_TORCH_LOAD = (2, ON, OFF, FULL, "torch")
-STOCK_DP1_LOAD = (2, ON, OFF, FULL, "apex")
+STOCK_TORCH_LOAD = (2, ON, OFF, FULL, "torch", 1)
+STOCK_DP1_LOAD = (2, ON, OFF, FULL, "apex", 1)
+# dp_reshardable cannot be built at DP=4 (DP_AT_4 below); what megatron-core does is asserted
+PROBES = {4: [(ON, DP, "torch"), (OFF, DP, "torch")]}
+# The spawns, in order: a size's first spawn runs its saves (the checkpoints and the
+# uninterrupted runs at that size) and the loads of checkpoints saved earlier; a later
+# spawn of the same size, the loads left.
+SPAWNS = (2, 4, 1, 2)
 
 
 def _plans() -> list[tuple[int, dict]]:
-    """Three spawns, each loading what an earlier one saved: DP=1 saves (and is the
-    uninterrupted run at DP=1), DP=2 saves and loads the DP=1 checkpoints, DP=1 loads."""
     loads = LOADS + [STOCK_TORCH_LOAD, STOCK_DP1_LOAD]
-    saves = {w: set() for w in (1, 2)}
-    for saved_world, saved_option, _, fmt, path in loads:
+    saves = {w: set() for w in SPAWNS}
+    for saved_world, saved_option, _, fmt, path, _ in loads:
         saves[saved_world].add((saved_option, fmt, path))
-    for saved_world, _, option, _, path in LOADS:
-        saves[3 - saved_world].add((option, FULL, path))  # the uninterrupted run there
-    ordered = {w: sorted(saves[w], key=repr) for w in saves}
-    into = {w: [c for c in loads if c[0] == 3 - w] for w in (1, 2)}
-    return [
-        (1, dict(save=ordered[1], load=[])),
-        (2, dict(save=ordered[2], load=into[2])),
-        (1, dict(save=[], load=into[1])),
-    ]
+    for _, _, option, _, path, world in LOADS:
+        saves[world].add((option, FULL, path))  # the uninterrupted run there
+    plans, saved, left = [], set(), list(loads)
+    for world in SPAWNS:
+        first = world not in saved
+        ready = [c for c in left if c[5] == world and (c[0] in saved or (first and c[0] == world))]
+        assert all(c[0] != world for c in ready), "a load of its own size's checkpoint"
+        left = [c for c in left if c not in ready]
+        save = sorted(saves[world], key=repr) if first else []
+        saved.add(world)
+        probe = PROBES.get(world, []) if first else []
+        if save or ready or probe:
+            plans.append((world, dict(save=save, load=[c[:5] for c in ready], probe=probe)))
+    assert not left, left
+    return plans
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +333,7 @@ def assert_same(got: dict, want: dict, what: str) -> None:
 
 
 @pytest.mark.parametrize("case", LOADS, ids=lambda c: "dp{}{}-to-dp{}{}-{}-{}".format(
-    c[0], "on" if c[1] else "off", 3 - c[0], "on" if c[2] else "off", c[3], c[4]))  # fmt: skip
+    c[0], "on" if c[1] else "off", c[5], "on" if c[2] else "off", c[3], c[4]))  # fmt: skip
 def test_resharded_load_continues_like_the_uninterrupted_run(reshard_runs, case):
     """Saved at one DP size, loaded at the other into a model built from other values:
     parameters and every optimizer state tensor equal the saver's, joined by parameter
@@ -311,9 +341,9 @@ def test_resharded_load_continues_like_the_uninterrupted_run(reshard_runs, case)
     empty on DP=2's rank 1 included; the continuation equals the uninterrupted run at the
     new size (same data, same initial values, the loading side's option and Adam) within
     ``TOLERANCE``: parameters, Adam state and norms."""
-    saved_world, saved_option, option, fmt, path = case
-    world = 3 - saved_world
-    runs = reshard_runs[("load",) + case + (world,)]
+    saved_world, saved_option, option, fmt, path, world = case
+    runs = reshard_runs[("load",) + case]
+    assert len(runs) == world
     for r in runs:
         assert "error" not in r, r
     saver = reshard_runs["run", saved_option, fmt, path, saved_world]
@@ -328,8 +358,10 @@ def test_resharded_load_continues_like_the_uninterrupted_run(reshard_runs, case)
                                saver[0]["at_save"]["params"][n].float()), n  # fmt: skip
         steps = [(count, step) for count, step in r["loaded"]["groups"]]
         assert steps and all(step == SAVED_AT for _, step in steps), steps
-    if world == 2:
-        assert [c for c, _ in runs[1]["loaded"]["groups"]].count(0) == 1  # the empty group
+    if world == 2:  # sink's group: on rank 0 only
+        assert [c for c, _ in runs[1]["loaded"]["groups"]].count(0) == 1
+    if world > 1:  # a group empty on some rank, holding the saved step all the same
+        assert any(c == 0 for r in runs for c, _ in r["loaded"]["groups"])
     for key, v in full_state([r["loaded"] for r in runs]).items():
         if "step" in v:  # torch's Adam: one per parameter
             assert v["step"].item() == SAVED_AT, key
@@ -351,12 +383,32 @@ def test_resharded_load_continues_like_the_uninterrupted_run(reshard_runs, case)
             assert v["step"].item() == STEPS, key
 
 
+def test_dp_reshardable_at_dp4_is_refused_by_megatron_core_with_and_without_the_option(
+    reshard_runs,
+):
+    """megatron-core 0.19.2's ``dp_reshardable`` state needs every data-parallel rank to own
+    part of every bucket (``distrib_optimizer.py``: ``assert bucket_state, 'empty bucket
+    encountered'``). Here the fp32 buffer holds 64 elements, all in rank 0's shard at DP=4,
+    with the option (``alpha`` an island) and without (``alpha`` natively fp32) alike: the
+    format cannot be saved or loaded at that shape; ``fully_reshardable`` can
+    (``dp2on-to-dp4on-fully_reshardable-torch``, ``dp4on-to-dp2on-...``). A small fp32 buffer
+    at a large DP size (islands of tiny parameters such as attention sinks at DP=64) meets
+    the same refusal, stock or not."""
+    for option in (ON, OFF):
+        ranks = reshard_runs["probe", option, DP, "torch", 4]
+        assert len(ranks) == 4
+        refused = [r for r, result in enumerate(ranks) if result is not None]
+        assert refused and 0 not in refused, (option, ranks)  # rank 0 owns all of it
+        for r in refused:
+            assert ranks[r]["error"] == "AssertionError: empty bucket encountered", ranks[r]
+
+
 def test_stock_cannot_load_on_torch_adam(reshard_runs):
     """megatron-core 0.19.2 without TE or Apex (torch's Adam): building the loading state
     dict of a fresh stock optimizer asks its state for the one ``step`` and finds none
     (``state_dict``'s ``assert len(steps) == 1``). The option loads the same checkpoint
     (``dp2on-to-dp1on``); stock loads it on the Apex path (``dp2on-to-dp1off``)."""
-    (r,) = reshard_runs[("load",) + STOCK_TORCH_LOAD + (1,)]
+    (r,) = reshard_runs[("load",) + STOCK_TORCH_LOAD]
     assert r.get("error", "").startswith("AssertionError"), r
     assert "len(steps) == 1" in r["where"], r
 
@@ -366,6 +418,6 @@ def test_stock_cannot_load_fp32_beside_bf16_at_one_rank(reshard_runs):
     fp32 without the option) shares a param group with bf16 ``b1``, and stock's load of the
     fully-reshardable state copies one parameter's state into the other's place: a size
     error (32 against 48), no wrong data. Stock loads at DP=2 (``dp1on-to-dp2off``)."""
-    (r,) = reshard_runs[("load",) + STOCK_DP1_LOAD + (1,)]
+    (r,) = reshard_runs[("load",) + STOCK_DP1_LOAD]
     assert r.get("error", "").startswith("RuntimeError: The size of tensor a"), r
     assert r["where"].startswith("distrib_optimizer.py"), r
