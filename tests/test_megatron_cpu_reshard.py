@@ -48,7 +48,7 @@ FORMATS = ("fully_reshardable", "dp_reshardable")
 
 def build(option: bool, *, seed: int = 11, fp16: bool = False, extra: str | None = None,
           rename: dict[str, str] | None = None, islands: tuple[str, ...] | None = None,
-          **optimizer):  # fmt: skip
+          experts: bool = False, **optimizer):  # fmt: skip
     """DDP and the distributed optimizer (Adam, clipped), ``sink`` in a group of its own.
 
     ``extra``: one more parameter of that name, bf16 marked ``keep_in_fp32`` (an fp32
@@ -69,6 +69,8 @@ def build(option: bool, *, seed: int = 11, fp16: bool = False, extra: str | None
 
     dtype = torch.float16 if fp16 else BF16
     module = MLP(option, seed)
+    if experts:  # an expert weight: its own DDP buffers and optimizer, megatron-core's MoE path
+        module.w2.allreduce = False
     if fp16:
         for p in module.parameters():
             if p.dtype == BF16:
@@ -129,7 +131,20 @@ def group_steps(opt) -> list[tuple[int, object]]:
 
 
 def snapshot(model, opt) -> dict:
-    return dict(params=params_of(model), state=owned_state(model, opt), groups=group_steps(opt))
+    experts = sum(
+        not getattr(p, "allreduce", True)
+        for child in opt.chained_optimizers
+        for g in child.optimizer.param_groups
+        for p in g["params"]
+    )
+    return dict(
+        params=params_of(model),
+        state=owned_state(model, opt),
+        groups=group_steps(opt),
+        chain=len(opt.chained_optimizers),
+        expert_buffers=len(model.expert_parallel_buffers),
+        expert_mains=experts,
+    )
 
 
 def _sharded(model, opt, fmt: str, loading: bool) -> dict:
@@ -167,7 +182,7 @@ def adam_path(path: str) -> Iterator[None]:
     FusedAdam (one ``step`` per param group), the only path where stock megatron-core loads
     its own distributed-optimizer checkpoints."""
     with pytest.MonkeyPatch.context() as patch:
-        if path == "apex":
+        if path.startswith("apex"):
             from tests.gpu.apex_standin import use_apex_path
 
             use_apex_path(patch)
@@ -192,7 +207,7 @@ def reshard_job(rank, world, log, out_dir, plan):
     out = {}
     for option, fmt, path in plan["save"]:
         with adam_path(path):
-            model, opt = build(option)
+            model, opt = build(option, experts=path.endswith("+experts"))
             norms = train_steps(model, opt, rank, world, range(SAVED_AT))
             at_save = snapshot(model, opt)
             try:
@@ -205,7 +220,7 @@ def reshard_job(rank, world, log, out_dir, plan):
                                              norms=norms, save_error=saved)  # fmt: skip
     for option, fmt, path in plan.get("probe", []):
         with adam_path(path):
-            model, opt = build(option)
+            model, opt = build(option, experts=path.endswith("+experts"))
             train_steps(model, opt, rank, world, range(SAVED_AT))  # a state to save
             try:  # local: no collective, so a rank that fails here leaves no peer waiting
                 _sharded(model, opt, fmt, loading=False)
@@ -215,7 +230,7 @@ def reshard_job(rank, world, log, out_dir, plan):
     for saved_world, saved_option, option, fmt, path in plan["load"]:
         key = "load", saved_world, saved_option, option, fmt, path
         with adam_path(path):
-            model, opt = build(option, seed=12)
+            model, opt = build(option, seed=12, experts=path.endswith("+experts"))
             try:
                 load(model, opt, ckpt(out_dir, saved_world, saved_option, fmt, path), fmt)
             except Exception as e:  # noqa: BLE001 - what megatron-core does is the result
@@ -242,6 +257,10 @@ LOADS = [
     (4, ON, ON, FULL, "torch", 1),
     (2, OFF, ON, FULL, "apex", 4),
     (4, ON, OFF, FULL, "apex", 2),
+    (2, ON, ON, FULL, "torch+experts", 1),
+    (2, ON, ON, FULL, "torch+experts", 4),
+    (4, ON, ON, FULL, "torch+experts", 2),
+    (2, OFF, ON, FULL, "apex+experts", 4),
 ]
 # stock megatron-core cannot load these; what it does instead is asserted below
 STOCK_TORCH_LOAD = (2, ON, OFF, FULL, "torch", 1)
@@ -340,7 +359,9 @@ def test_resharded_load_continues_like_the_uninterrupted_run(reshard_runs, case)
     name, bit for bit; every param group holds the saved ``step`` on every rank, the group
     empty on DP=2's rank 1 included; the continuation equals the uninterrupted run at the
     new size (same data, same initial values, the loading side's option and Adam) within
-    ``TOLERANCE``: parameters, Adam state and norms."""
+    ``TOLERANCE``: parameters, Adam state and norms. ``+experts``: ``w2`` is an expert
+    weight (``allreduce=False``), so megatron-core builds expert DDP buffers and a second
+    distributed optimizer (the chain of a MoE model, expert-parallel size 1)."""
     saved_world, saved_option, option, fmt, path, world = case
     runs = reshard_runs[("load",) + case]
     assert len(runs) == world
@@ -358,6 +379,12 @@ def test_resharded_load_continues_like_the_uninterrupted_run(reshard_runs, case)
                                saver[0]["at_save"]["params"][n].float()), n  # fmt: skip
         steps = [(count, step) for count, step in r["loaded"]["groups"]]
         assert steps and all(step == SAVED_AT for _, step in steps), steps
+    experts = path.endswith("+experts")  # then w2 is an expert weight: a chain of two
+    for r in runs:
+        assert (r["loaded"]["chain"], r["loaded"]["expert_buffers"]) == (
+            (2, 1) if experts else (1, 0)
+        )
+    assert any(r["loaded"]["expert_mains"] for r in runs) == experts
     if world == 2:  # sink's group: on rank 0 only
         assert [c for c, _ in runs[1]["loaded"]["groups"]].count(0) == 1
     if world > 1:  # a group empty on some rank, holding the saved step all the same
@@ -376,7 +403,7 @@ def test_resharded_load_continues_like_the_uninterrupted_run(reshard_runs, case)
         ended = [(c, s) for c, s in r["end"]["groups"]]
         want_end = [(c, s) for c, s in u["end"]["groups"]]
         assert [c for c, _ in ended] == [c for c, _ in want_end]
-        if path == "apex":  # one step per group, counted on
+        if path.startswith("apex"):  # one step per group, counted on
             assert [s for c, s in ended if c] == [STEPS] * sum(1 for c, _ in ended if c)
     for key, v in full_state([r["end"] for r in runs]).items():
         if "step" in v:
