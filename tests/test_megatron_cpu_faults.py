@@ -137,6 +137,16 @@ def owns_first_element(model, name: str) -> bool:
     return any(lo == 0 for lo, _ in pieces(model).get(name, ()))
 
 
+def injector(model, name: str) -> int:
+    """The rank after the one that owns ``name``'s first element (a collective)."""
+    import torch.distributed as dist
+
+    owns = [None] * dist.get_world_size()
+    dist.all_gather_object(owns, owns_first_element(model, name))
+    assert owns.count(True) == 1, owns
+    return (owns.index(True) + 1) % len(owns)
+
+
 def scales(opt) -> list[float]:
     return [c.grad_scaler.scale.item() for c in opt.chained_optimizers if c.grad_scaler]
 
@@ -148,16 +158,16 @@ def state_of(model, opt) -> dict:
 
 def faulty_step(model, opt, rank, s, fault=None) -> dict:
     """One step on ``batch(rank, s)``, the loss scaled as Megatron-LM's schedule scales it.
-    ``fault`` = (value, parameter name): the rank that does not own the parameter's first
-    element writes the value into its local gradient there, before the reduction; only the
-    other rank's optimizer sees it."""
+    ``fault`` = (value, parameter name): one rank that does not own the parameter's first
+    element (the next one after its owner) writes the value into its local gradient there,
+    before the reduction; only the owner's optimizer sees it."""
     dtype = model.module.w1.dtype
     model.zero_grad_buffer()
     opt.zero_grad()
     x, t = batch(rank, s)
     opt.scale_loss(model(x.to(dtype), t)).backward()
     injected = None
-    if fault is not None and not owns_first_element(model, fault[1]):
+    if fault is not None and rank == injector(model, fault[1]):
         value, injected = fault
         model.module.get_parameter(injected).main_grad.view(-1)[0] = value
     model.finish_grad_sync()
@@ -170,7 +180,8 @@ def faulty_step(model, opt, rank, s, fault=None) -> dict:
 FAULTS = {1: (INF, "w1"), 2: (NAN, "alpha")}
 
 
-def nonfinite_job(rank, world, log, out_dir, out):
+def fp16_nonfinite_job(rank, world, log, out_dir, out):
+    """The fp16 runs: with the faults of ``FAULTS``, and clean (steps 0 and 3 only)."""
     for option in (True, False):
         model, opt = build(option, fp16=True, hysteresis=1)
         out["fp16", option] = dict(pieces=pieces(model), before=state_of(model, opt),
@@ -178,6 +189,11 @@ def nonfinite_job(rank, world, log, out_dir, out):
                                           for s in range(4)])  # fmt: skip
         model, opt = build(option, fp16=True, hysteresis=1)
         out["fp16 clean", option] = [faulty_step(model, opt, rank, s) for s in (0, 3)]
+
+
+def nonfinite_job(rank, world, log, out_dir, out):
+    fp16_nonfinite_job(rank, world, log, out_dir, out)
+    for option in (True, False):
         for fault in (1, 2):  # then a clean step: what the next step makes of it
             model, opt = build(option)
             steps = [faulty_step(model, opt, rank, s, FAULTS.get(s)) for s in (0, fault, 3)]
@@ -278,6 +294,12 @@ def runs(tmp_path_factory):
     return tmp_path, faults, loads
 
 
+@pytest.fixture(scope="module")
+def runs4(tmp_path_factory):
+    """The fp16 runs at four ranks (one spawn)."""
+    return run_guarded(tmp_path_factory.mktemp("faults4"), 4, fp16_nonfinite_job)
+
+
 def same_state(a: dict, b: dict, groups: bool = True) -> bool:
     """Parameters, every optimizer state tensor (``step`` included) and group steps."""
     return (
@@ -297,24 +319,31 @@ def steps_of(state: dict) -> set[float]:
     return {e["step"].item() for e in state["state"].values()}
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("option", [True, False], ids=["on", "off"])
-def test_fp16_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(runs, option):
+def test_fp16_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(request, option, world):
     """fp16 with megatron-core's dynamic loss scaler (hysteresis 1): an inf written into
     one rank's local gradient of a 16-bit parameter, then a NaN into the fp32 island's,
     each where only the other rank's optimizer reads it after the reduce-scatter. Both
     steps are skipped on both ranks (``ok`` false, no norm), parameters, every optimizer
     state tensor and every step counter unchanged, the loss scale halved on both; the next
     clean step equals, bit for bit, a run that never had the faulty steps (the scales are
-    powers of two apart, which changes no fp16 gradient here: none is subnormal at 256)."""
-    _, faults, _ = runs
-    for r in faults[1:]:
+    powers of two apart, which changes no fp16 gradient here: none is subnormal at 256).
+    At 2 ranks and at 4 (one rank injects, one other owns the element, two see neither)."""
+    faults = request.getfixturevalue("runs")[1] if world == 2 else request.getfixturevalue("runs4")
+    assert len(faults) == world
+    for r in faults[1 if world == 2 else 0 :]:  # at 2, rank 0 ends killed by a later test
         assert "error" not in r, r["error"]
     ranks = [r["fp16", option] for r in faults]
     for s, (_, name) in FAULTS.items():
         injecting = [r for r, run in enumerate(ranks) if run["steps"][s]["injected"] == name]
         assert len(injecting) == 1, (s, injecting)
-        owner = ranks[1 - injecting[0]]
-        assert any(lo == 0 for lo, _ in owner["pieces"][name]), (name, owner["pieces"])
+        owners = [
+            r
+            for r, run in enumerate(ranks)
+            if any(lo == 0 for lo, _ in run["pieces"].get(name, []))
+        ]
+        assert len(owners) == 1 and owners != injecting, (name, owners, injecting)
     for r, run in enumerate(ranks):
         steps = run["steps"]
         assert [st["ok"] for st in steps] == [True, False, False, True], r
@@ -328,7 +357,7 @@ def test_fp16_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(runs, 
         assert same_state(steps[3]["after"], clean[1]["after"]), r
         assert steps_of(steps[3]["after"]) == {2.0}
         assert not same_state(steps[3]["after"], steps[0]["after"])
-    assert ranks[0]["steps"][0]["norm"] == ranks[1]["steps"][0]["norm"]
+    assert len({run["steps"][0]["norm"] for run in ranks}) == 1
 
 
 def nonfinite(state: dict) -> dict[str, int]:
