@@ -131,19 +131,17 @@ def group_steps(opt) -> list[tuple[int, object]]:
 
 
 def snapshot(model, opt) -> dict:
-    experts = sum(
-        not getattr(p, "allreduce", True)
-        for child in opt.chained_optimizers
-        for g in child.optimizer.param_groups
-        for p in g["params"]
-    )
+    chain = opt.chained_optimizers
     return dict(
         params=params_of(model),
         state=owned_state(model, opt),
         groups=group_steps(opt),
-        chain=len(opt.chained_optimizers),
+        chain=len(chain),
         expert_buffers=len(model.expert_parallel_buffers),
-        expert_mains=experts,
+        # main parameters this rank's second optimizer (the expert one) steps
+        expert_mains=sum(len(g["params"]) for g in chain[1].optimizer.param_groups)
+        if len(chain) > 1
+        else 0,
     )
 
 
