@@ -21,6 +21,8 @@
 
 enum { KIND_BF16 = 0, KIND_F16 = 1, KIND_F32 = 2 };
 
+static int64_t element_size(int kind) { return kind == KIND_F32 ? 4 : 2; }
+
 /* ---- portable path ---------------------------------------------------------------- */
 
 static float bf16_to_f32(uint16_t h) {
@@ -144,7 +146,7 @@ AVX2 static double sum_avx2(int kind, int p, const void *base, int64_t n) {
     _mm256_storeu_pd(lanes, acc);
     double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
     if (i < n) {
-        const char *rest = (const char *)base + i * (kind == KIND_F32 ? 4 : 2);
+        const char *rest = (const char *)base + i * element_size(kind);
         total += sum_portable(kind, p, rest, n - i);
     }
     return total;
@@ -196,7 +198,7 @@ static double sum_one(int kind, int p, const void *base, int64_t n, int vectoriz
 void buffers_piece_sums(int kind, int p, const uintptr_t *ptrs, const int64_t *lens,
                         int64_t count, int64_t piece, int64_t first, int64_t last, double *out,
                         int vectorized) {
-    const int64_t size = kind == KIND_F32 ? 4 : 2;
+    const int64_t size = element_size(kind);
     int64_t k = 0, off = first * piece;
     while (k < count && off >= lens[k]) {
         off -= lens[k];

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from tests import test_megatron_cpu_reshard as reshard
-from tests.test_megatron_cpu import BF16, CLIP, LR, F, H, _no_psutil, batch, owned_state, run_ranks
+from tests.test_megatron_cpu import BF16, CLIP, LR, F, H, batch, owned_state, run_ranks
 
 pytest.importorskip("megatron.core")
 
@@ -150,14 +150,6 @@ def full_state(model, opt) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _sharded(model, opt, fmt: str, loading: bool) -> dict:
-    state = {"model": model.module.sharded_state_dict()}
-    state["optimizer"] = opt.sharded_state_dict(
-        state["model"], is_loading=loading, metadata={"distrib_optim_sharding_type": fmt}
-    )
-    return state
-
-
 def ckpt(out_dir: str, tp: int, fmt: str) -> str:
     return os.path.join(out_dir, f"ckpt-tp{tp}-{fmt}")
 
@@ -167,10 +159,8 @@ def tp_job(rank, world, log, out_dir, plan):
     SAVED_AT in each format of ``plan["save"]``); then per (saved TP, format) in
     ``plan["load"]``, a model built from other values loads that checkpoint and continues
     to STEPS (an exception is the result)."""
-    from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    _no_psutil()
     out = {}
     for option in plan["run"]:
         model, opt = build(option, world)
@@ -178,20 +168,14 @@ def tp_job(rank, world, log, out_dir, plan):
         at_save = full_state(model, opt)
         if option:
             for fmt in plan["save"]:
-                path = ckpt(out_dir, world, fmt)
-                os.makedirs(path, exist_ok=True)
-                dist_checkpointing.save(_sharded(model, opt, fmt, loading=False), path)
+                reshard.save(model, opt, ckpt(out_dir, world, fmt), fmt)
         more = train(model, opt, range(SAVED_AT, STEPS))
         out["run", option] = dict(norms=norms + more[0], refs=refs + more[1], at_save=at_save,
                                   end=full_state(model, opt))  # fmt: skip
     for saved_tp, fmt in plan["load"]:
         model, opt = build(True, world, seed=12)
         try:
-            loaded = dist_checkpointing.load(
-                _sharded(model, opt, fmt, loading=True), ckpt(out_dir, saved_tp, fmt)
-            )
-            model.module.load_state_dict(loaded["model"])
-            opt.load_state_dict(loaded["optimizer"])
+            reshard.load(model, opt, ckpt(out_dir, saved_tp, fmt), fmt)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - the result
             # torch's CheckpointException derives from BaseException, not Exception
             out["load", saved_tp, fmt] = dict(error=f"{type(e).__name__}: {str(e)[-1500:]}")
