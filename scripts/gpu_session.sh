@@ -12,11 +12,19 @@
 # stock; table and JSON in $OUT/te_layers), megatron_lm_te (tests/gpu/megatron_lm_te.py:
 # pretrain_gpt.py with TE's layers, 20 iterations per configuration, ours vs stock; JSON,
 # table and PNG in $OUT/megatron_lm_te; MEGATRON_LM_TE_ARGS adds its flags, e.g. --configs).
-# NORM_CLIP_ARGS replaces norm_clip's extra args.
+# NORM_CLIP_ARGS replaces norm_clip's extra args. pack (last): everything under $OUT into
+# $OUT/results.tgz. Without .whl/*.whl, the megatron-core a previous call installed is used.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+# The wheel travels with the first call; a later call on the same machine may leave it behind.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+elif [ ! -d /tmp/site/megatron/core ]; then
+  echo "gpu_session.sh: no megatron-core wheel in .whl/ and none installed in /tmp/site" \
+    "(run scripts/fetch_gpu_wheels.sh and transfer .whl)" >&2
+  exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mkdir -p "$OUT/bench"
 step() {  # name, limit in seconds, command...
@@ -24,12 +32,13 @@ step() {  # name, limit in seconds, command...
   echo "=== $name: $*"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "=== $name exit $?"
-  grep -E "passed|failed|error" "$OUT/$name.log" | tail -3
+  grep -E "passed|failed|error" "$OUT/$name.log" | tail -3 || true
 }
 for s in "$@"; do
   case $s in
-    tests) step tests ${TESTS_LIMIT:-300} python3 -m pytest -p no:cacheprovider -q -m "cuda or not cuda" \
-      -W ignore::UserWarning -W ignore::DeprecationWarning -rfE tests/gpu \
+    tests) step tests ${TESTS_LIMIT:-300} python3 -m pytest -p no:cacheprovider -v -m "cuda or not cuda" \
+      -W ignore::UserWarning -W ignore::DeprecationWarning -rfE tests/gpu/test_offload_gpu.py \
+      tests/gpu/test_reliability_gpu.py tests/gpu \
       --ignore=tests/gpu/test_multirank_gpu.py --ignore=tests/gpu/test_te_layers_gpu.py \
       tests/test_storage.py tests/test_storage_hooks.py \
       tests/test_lists.py tests/test_backends.py tests/test_distributed.py \
@@ -61,6 +70,9 @@ for s in "$@"; do
         step "offload_step_$f" ${BENCH_LIMIT:-300} python3 benchmarks/offload_step.py --device cuda \
           --out "$OUT/bench/offload_step_$f" --fraction "$f" "${extra[@]}"
       done ;;
+    pack)  # everything under $OUT into one $OUT/results.tgz (a transfer back takes few files)
+      tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete \
+        && mv /tmp/results.tgz "$OUT/results.tgz" && echo "=== pack: $OUT/results.tgz" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
