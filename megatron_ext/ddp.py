@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from . import seam, wgrad_fusion
-from .fp32 import cast_marked_to_fp32
+from .fp32 import align_router_inputs, cast_marked_to_fp32
 from .layout import BufferKey, BufferLayout, ChunkLayout, buffer_layout, record_params
 from .spans import GradRecord, exclusion_reason
 
@@ -62,6 +62,7 @@ class DistributedDataParallel(_MCoreDDP):
         enabled = bool(getattr(ddp_config, "per_dtype_grad_buffers", False))
         if enabled:
             cast_marked_to_fp32(module)
+            align_router_inputs(module)
         super().__init__(config, ddp_config, module, *args, **kwargs)
         self.per_dtype_grad_buffers = enabled
         self.layout: ChunkLayout | None = None

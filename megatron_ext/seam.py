@@ -142,6 +142,12 @@ ENTRIES: tuple[Entry, ...] = (
           "subclass", "restores keep_in_fp32 parameters (unrounded) after the cast",
           "megatron-core 0.19 casts every parameter to bf16/fp16",
           params=("config", "module")),
+    Entry("MoE router", "megatron.core.transformer.moe.router:Router", "read",
+          "a router whose weight is kept in fp32 gets a forward pre-hook that casts its "
+          "input to fp32 (fp32.align_router_inputs)",
+          "megatron-core's router_gating_linear hands a bf16 input and an fp32 weight to "
+          "transformer-engine's GEMM, which cuBLAS refuses, or without TE rounds the weight "
+          "to bf16", kind="class"),
     *(Entry(layer, f"megatron.core.tensor_parallel:{layer}", "read",
             "whether the module holds megatron-core's own linear layers built with the fusion on",
             "with gradient_accumulation_fusion they call apex's fused_weight_gradient_mlp_cuda; "
