@@ -70,8 +70,12 @@ for s in "$@"; do
         step "offload_step_$f" ${BENCH_LIMIT:-300} python3 benchmarks/offload_step.py --device cuda \
           --out "$OUT/bench/offload_step_$f" --fraction "$f" "${extra[@]}"
       done ;;
-    pack)  # everything under $OUT into one $OUT/results.tgz (a transfer back takes few files)
-      tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete \
+    pack)  # the files under $OUT into one $OUT/results.tgz (a transfer back takes few files,
+      # each of a limited size): tensors (*.pt, e.g. te_layers' parameters) and files over
+      # 4 MiB are left out and listed
+      (cd "$OUT" && find . -type f \( -name '*.pt' -o -size +4M \) -printf 'left out: %p (%s bytes)\n'
+       find . -type f ! -name '*.pt' -size -4M > /tmp/pack.list
+       tar czf /tmp/results.tgz -T /tmp/pack.list) && find "$OUT" -mindepth 1 -delete \
         && mv /tmp/results.tgz "$OUT/results.tgz" && echo "=== pack: $OUT/results.tgz" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
