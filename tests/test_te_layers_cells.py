@@ -128,6 +128,28 @@ def test_judging_stock_failures_as_rows(tmp_path):
     assert w.STOCK_NON_LEAF in w.table([row])
 
 
+def test_stock_that_builds_and_leaves_fp32_parameters_unstepped_is_that_row(tmp_path):
+    """At offload fraction < 1 a rank whose fp32 shards all sit in the GPU-resident part
+    builds, where the others refuse, and never steps them: an expected row of its own. The
+    same in a cell where stock is expected to run right is a failure, and so is ours
+    leaving an fp32 parameter unchanged."""
+    name = "pa_offload0.5_chunked_islands_on_mb2_w2"
+    frozen = _row(w.stock_cell(name), fp32_unchanged=["decoder.layers.0.island"])
+    row = w.judge(name, _row(name, fp32_unchanged=[]), frozen, tmp_path)
+    assert row["stock"] == w.STOCK_FP32_UNSTEPPED and not row["failures"], row
+    assert "decoder.layers.0.island" in row["stock_error"]
+    assert "never stepped" in w.table([row])
+    # without the record, a stock run in this cell is still a failure of the expectation
+    assert w.judge(name, _row(name), _row(w.stock_cell(name)), tmp_path)["failures"]
+    name = "distopt_islands_on_mb1_w1"
+    row = w.judge(name, _row(name), _row(name, fp32_unchanged=["x"]), tmp_path)
+    assert row["failures"] and "stock" in row["failures"][0]
+    name = "pa_islands_on_mb1_w1"  # stock's norm non-finite, as expected: only ours judged
+    ours = _row(name, fp32_unchanged=["decoder.layers.1.island"])
+    failures = w.judge(name, ours, _row(name, norms=(math.inf,) * 3), tmp_path)["failures"]
+    assert any("ours: fp32 parameters never changed" in f for f in failures), failures
+
+
 def test_judging_ours(tmp_path):
     name = "pa_islands_on_mb1_w1"
     stock = _row(name, norms=(math.nan,) * 3)

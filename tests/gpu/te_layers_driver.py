@@ -20,6 +20,7 @@ from te_layers_worker import (  # noqa: F401 - cells(), cell_name: the tests rea
     KINDS,
     ROOT,
     STEPS,
+    STOCK_FP32_UNSTEPPED,
     STOCK_NON_LEAF,
     cell_name,
     cells,
@@ -198,6 +199,8 @@ def judge(name: str, ours: dict, stock: dict, out: Path, stock_tol: float = 1e-6
         failures.append("ours: a step was skipped")
     elif not min(s["ref"] for s in ours["steps"]) > CLIP:
         failures.append("ours: clipping was not active")
+    if ours["status"] == "ok" and ours.get("fp32_unchanged"):
+        failures.append(f"ours: fp32 parameters never changed: {ours['fp32_unchanged']}")
     if ours.get("te") and ours["status"] == "ok" and not ours.get("te_weights"):
         failures.append("ours: the model holds no transformer-engine layer")
     if ours.get("te_weights") and ours.get("te_fused") != ours["te_weights"]:
@@ -221,6 +224,8 @@ def judge(name: str, ours: dict, stock: dict, out: Path, stock_tol: float = 1e-6
         outcome = "wrong norm"
     else:
         outcome = stock["status"]
+    if stock["status"] == "ok" and cell["islands"] and stock.get("fp32_unchanged"):
+        outcome = STOCK_FP32_UNSTEPPED  # it ran, and left fp32 parameters as they were
     row = dict(cell=name, **cell, ours=ours["status"], ours_norm_err=max(ours_err, default=None),
                stock=outcome, stock_error=stock.get("error"),
                stock_norm_err=max(stock_err, default=None), expected_stock=expected)  # fmt: skip
@@ -247,6 +252,8 @@ def judge(name: str, ours: dict, stock: dict, out: Path, stock_tol: float = 1e-6
     elif expected == "nonfinite":
         if outcome != "nonfinite":
             failures.append(f"stock was expected to give a non-finite norm, gave {outcome}")
+    elif outcome == STOCK_FP32_UNSTEPPED and expected == STOCK_NON_LEAF:
+        row["stock_error"] = f"{STOCK_FP32_UNSTEPPED}: {', '.join(stock['fp32_unchanged'])}"
     elif not (outcome == "build failed" and expected in (stock.get("error") or "")):
         failures.append(f"stock was expected to fail to build ({expected}), gave {outcome}")
     row["failures"] = failures
