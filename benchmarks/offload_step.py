@@ -27,6 +27,12 @@ Variants, same parameters, same run:
   crosses both ways, converted on the device, so the host runs only the fused AdamW over
   the pinned fp32 gradients and parameters (twice the bus bytes of a bf16 buffer; its
   ``d2h_bytes`` / ``h2d_bytes`` and the fp32 copy floors say how many).
+- ``chunked_bf16m`` and ``chunked_device_bf16m``: those two keeping Adam's moments in bf16
+  (the precision-aware optimizer's ``exp_avg_dtype`` / ``exp_avg_sq_dtype``): each moment
+  widened to fp32 per sub-range for the fused call and rounded back, 2 bytes per element
+  in host memory instead of 4. Their state differs from the fp32-moment variants' by
+  design (``tests/test_offload_moments.py`` checks it against fp64); the floor stays the
+  fp32 one.
 
 Each is measured two ways: ``overlapped`` (the step as it runs, end to end, device drained
 only before and after) and ``drained`` (each phase timed alone with the device drained
@@ -165,6 +171,30 @@ class Setup:
             [r for _, r in runs],
             compute_numel,
         )
+        # chunked_bf16m / chunked_device_bf16m: the two chunked steps keeping Adam's moments
+        # in bf16 (megatron-core's exp_avg_dtype / exp_avg_sq_dtype), their own state
+        bf16m = (torch.bfloat16, torch.bfloat16)
+        self.bf16m_opts = [torch.optim.AdamW([p], fused=True, **ADAM) for p in self.views]
+        self.bf16m_stepper = ChunkedAdamW(
+            self.mirror.host_params,
+            self.mirror.cpu_grads,
+            [Entry(p, s, o, 0) for p, s, o in zip(self.views, local, self.bf16m_opts, strict=True)],
+            [r for _, r in runs],
+            compute_numel,
+            moment_dtypes=bf16m,
+        )
+        self.wide_bf16m_opts = [torch.optim.AdamW([p], fused=True, **ADAM) for p in wide_views]
+        self.wide_bf16m_stepper = ChunkedAdamW(
+            self.wide.host_params,
+            self.wide.cpu_grads,
+            [
+                Entry(p, s, o, 0)
+                for p, s, o in zip(wide_views, local, self.wide_bf16m_opts, strict=True)
+            ],
+            [r for _, r in runs],
+            compute_numel,
+            moment_dtypes=bf16m,
+        )
         # the GPU-resident part: fp32 masters updated by torch's fused AdamW on the device
         self.gpu_views = [self.params[s.start : s.end] for s in resident]
         self.masters = [v.float().requires_grad_(False) for v in self.gpu_views]
@@ -240,6 +270,12 @@ class Setup:
 
     def chunked_device(self, timer) -> None:
         self._chunked(timer, self.wide_chunks, self.wide_stepper)
+
+    def chunked_bf16m(self, timer) -> None:
+        self._chunked(timer, self.chunks, self.bf16m_stepper)
+
+    def chunked_device_bf16m(self, timer) -> None:
+        self._chunked(timer, self.wide_chunks, self.wide_bf16m_stepper)
 
     def _chunked(self, timer, chunks, stepper) -> None:
         cuda = self.device.type == "cuda"
@@ -355,6 +391,9 @@ def _timed(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
+VARIANTS = ("per_parameter", "chunked", "chunked_device", "chunked_bf16m", "chunked_device_bf16m")
+
+
 def measure(setup: Setup, rounds: int, warmup: int, reps: int) -> list[dict]:
     """Every variant, mode and floor of one setup, interleaved over ``rounds``."""
     device = setup.device
@@ -391,12 +430,8 @@ def measure(setup: Setup, rounds: int, warmup: int, reps: int) -> list[dict]:
         return run
 
     measures = {
-        ("per_parameter", "overlapped"): variant("per_parameter", False),
-        ("chunked", "overlapped"): variant("chunked", False),
-        ("chunked_device", "overlapped"): variant("chunked_device", False),
-        ("per_parameter", "drained"): variant("per_parameter", True),
-        ("chunked", "drained"): variant("chunked", True),
-        ("chunked_device", "drained"): variant("chunked_device", True),
+        **{(name, "overlapped"): variant(name, False) for name in VARIANTS},
+        **{(name, "drained"): variant(name, True) for name in VARIANTS},
         ("cpu_floor", "-"): floor("cpu_floor"),
         ("d2h_floor", "-"): floor("d2h_floor"),
         ("h2d_floor", "-"): floor("h2d_floor"),
@@ -410,7 +445,7 @@ def measure(setup: Setup, rounds: int, warmup: int, reps: int) -> list[dict]:
         if mode == "-":
             continue
         best = min(range(len(per_round)), key=per_round.__getitem__)
-        wide = name == "chunked_device"
+        wide = name.startswith("chunked_device")
         row = {
             "variant": name,
             "mode": mode,

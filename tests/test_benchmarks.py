@@ -408,7 +408,8 @@ def test_offload_step_cpu_run(tmp_path, capsys, fraction):
     records = read_outputs(tmp_path, "offload_step")
     assert records == json.loads(json.dumps(returned))
     assert {(r["variant"], r["mode"], r["threads"]) for r in records} == {
-        (v, m, t) for v in ("per_parameter", "chunked", "chunked_device")
+        (v, m, t) for v in ("per_parameter", "chunked", "chunked_device", "chunked_bf16m",
+                            "chunked_device_bf16m")
         for m in ("overlapped", "drained") for t in (1, 2)
     }  # fmt: skip
     for r in records:
@@ -427,9 +428,35 @@ def test_offload_step_cpu_run(tmp_path, capsys, fraction):
     moved = {r["variant"]: (r["d2h_bytes"], r["h2d_bytes"]) for r in records}
     assert moved["chunked_device"] == tuple(2 * b for b in moved["chunked"])
     assert moved["chunked"] == moved["per_parameter"]
+    assert moved["chunked_bf16m"] == moved["chunked"]  # the moments stay on the host
+    assert moved["chunked_device_bf16m"] == moved["chunked_device"]
     out = capsys.readouterr()
     assert "no device: copies are host copies" in out.err
     assert "leave the same optimizer state: True" in out.out
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_offload_step_bf16_moment_variants_keep_bf16_moments(wide):
+    """One step from the same parameters and fresh state: the bf16-moment variant leaves
+    the same host parameters as its fp32-moment twin (the update reads the moments widened
+    to fp32) and moments equal to the twin's rounded to bf16, in bf16."""
+    script = load_script("offload_step")
+    setup = script.Setup(script.gpt_shapes(32, 1, 100), 1.0, 500, torch.device("cpu"))
+    mirror = setup.wide if wide else setup.mirror
+    name = "chunked_device" if wide else "chunked"
+    start = mirror.host_params.clone()
+    timer = script.Timer(torch.device("cpu"), False)
+    getattr(setup, name)(timer)
+    twin = mirror.host_params.clone()
+    fp32 = setup.wide_stepper if wide else setup.stepper
+    mirror.host_params.copy_(start)
+    getattr(setup, f"{name}_bf16m")(timer)
+    narrow = setup.wide_bf16m_stepper if wide else setup.bf16m_stepper
+    assert torch.equal(mirror.host_params, twin) and not torch.equal(twin, start)
+    for k in ("exp_avg", "exp_avg_sq"):
+        got, want = getattr(narrow, k), getattr(fp32, k)
+        assert got.dtype == torch.bfloat16 and want.dtype == torch.float32
+        assert torch.equal(got, want.to(torch.bfloat16)) and got.abs().max() > 0
 
 
 def test_offload_step_notices_a_chunked_step_that_differs(monkeypatch):
