@@ -1,6 +1,7 @@
 """Tensor parallelism with the option, on the CPU: megatron-core's ``ColumnParallelLinear``,
 DDP, distributed optimizer and ``dist_checkpointing`` (torch_dist) through
-``tests/support/cpu_megatron.py``, at TP=1 and TP=2 (one data-parallel rank).
+``tests/support/cpu_megatron.py``, at TP=1 and TP=2, with one data-parallel rank and
+with two (TP=2 x DP=2 at four ranks).
 
 The model: ``fc1``, a bf16 ``ColumnParallelLinear`` (weight and bias split by output rows
 across TP ranks, output gathered), ReLU, then ``w2`` (bf16, replicated on every TP rank),
@@ -92,21 +93,24 @@ def build(option: bool, tp: int, seed: int = 11):
 
 
 def fp64_norm(model) -> float:
-    """The gradient norm in fp64 from the reduced gradients in the buffers: ``fc1``'s
-    shards summed over the TP ranks, each replicated parameter once."""
+    """The gradient norm in fp64 from the reduced gradients in the buffers, over the
+    ranges each data-parallel rank owns (megatron-core's own range map: outside them a
+    buffer holds this rank's unreduced share) summed over the data-parallel group;
+    ``fc1``'s shards then summed over the TP ranks, each replicated parameter once."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = 0.0
-    for p in model.module.parameters():
-        sq = p.main_grad.double().square().sum()
-        if getattr(p, "tensor_model_parallel", False):
-            sharded += sq
-        else:
-            replicated += sq.item()
+    from tests.test_megatron_cpu import owned_pieces
+
+    params = dict(model.module.named_parameters())
+    sums = torch.zeros(2, dtype=torch.float64)  # [TP-sharded, replicated over TP]
+    for name, _, _, piece in owned_pieces(model):
+        sharded = getattr(params[name], "tensor_model_parallel", False)
+        sums[0 if sharded else 1] += piece.double().square().sum()
+    dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    sharded = sums[:1].clone()
     dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
-    return math.sqrt(sharded.item() + replicated)
+    return math.sqrt(sharded.item() + sums[1].item())
 
 
 def train(model, opt, steps) -> tuple[list[float], list[float]]:
@@ -126,74 +130,97 @@ def train(model, opt, steps) -> tuple[list[float], list[float]]:
 
 
 def full_state(model, opt) -> dict[str, dict[str, torch.Tensor]]:
-    """Per parameter name: its full main value and Adam state (``fc1``'s TP shards
-    gathered and joined along the split dimension), and its model value."""
+    """Per parameter name: its full main value and Adam state, and its model value. The
+    data-parallel shards are joined by a sum over the data-parallel group of tensors that
+    hold zeros outside each rank's owned range (``step``: the largest, a rank that owns
+    none of the parameter holds 0); ``fc1``'s TP shards are then gathered and joined along
+    the split dimension."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    group = ps.get_tensor_model_parallel_group()
-    params = dict(model.module.named_parameters())
+    tp_group = ps.get_tensor_model_parallel_group()
+    dp_group = ps.get_data_parallel_group()
+    owned = owned_state(model, opt)
     out = {}
-    for (name, lo, hi), entry in owned_state(model, opt).items():
-        p = params[name]
-        assert (lo, hi) == (0, p.numel()), name  # one data-parallel rank owns everything
-        full = {k: v for k, v in entry.items() if k == "step"}
-        tensors = {k: v.reshape(p.shape) for k, v in entry.items() if k != "step"}
+    for name, p in model.module.named_parameters():
+        pieces = [(lo, hi, e) for (n, lo, hi), e in owned.items() if n == name]
+        full = {}
+        step = torch.zeros((), dtype=torch.float32)
+        for _, _, e in pieces:
+            if "step" in e:
+                step = torch.maximum(step, e["step"].float())
+        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=dp_group)
+        full["step"] = step
+        tensors = {}
+        for k in ("exp_avg", "exp_avg_sq", "param"):
+            flat = torch.zeros(p.numel(), dtype=torch.float32)
+            for lo, hi, e in pieces:
+                flat[lo:hi] = e[k]
+            dist.all_reduce(flat, group=dp_group)
+            tensors[k] = flat.reshape(p.shape)
         tensors["model"] = p.detach().clone()
         for k, v in tensors.items():
-            if getattr(p, "tensor_model_parallel", False) and dist.get_world_size(group) > 1:
-                parts = [torch.empty_like(v) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(parts, v.contiguous(), group=group)
+            if getattr(p, "tensor_model_parallel", False) and dist.get_world_size(tp_group) > 1:
+                parts = [torch.empty_like(v) for _ in range(dist.get_world_size(tp_group))]
+                dist.all_gather(parts, v.contiguous(), group=tp_group)
                 v = torch.cat(parts, dim=p.partition_dim)
             full[k] = v
         out[name] = full
     return out
 
 
-def ckpt(out_dir: str, tp: int, fmt: str) -> str:
-    return os.path.join(out_dir, f"ckpt-tp{tp}-{fmt}")
+def ckpt(out_dir: str, shape: tuple[int, int], fmt: str) -> str:
+    return os.path.join(out_dir, f"ckpt-tp{shape[0]}-dp{shape[1]}-{fmt}")
 
 
 def tp_job(rank, world, log, out_dir, plan):
-    """At TP=``world``: per option in ``plan["run"]``, STEPS steps (the option's saved at
-    SAVED_AT in each format of ``plan["save"]``); then per (saved TP, format) in
-    ``plan["load"]``, a model built from other values loads that checkpoint and continues
-    to STEPS (an exception is the result)."""
+    """At TP=``plan["tp"]`` (data-parallel size ``world`` / TP): per option in
+    ``plan["run"]``, STEPS steps (the option's saved at SAVED_AT in each format of
+    ``plan["save"]``); then per ((saved TP, saved DP), format) in ``plan["load"]``, a model
+    built from other values loads that checkpoint and continues to STEPS (an exception is
+    the result)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    tp = plan["tp"]
+    shape = (tp, world // tp)
     out = {}
     for option in plan["run"]:
-        model, opt = build(option, world)
+        model, opt = build(option, tp)
         norms, refs = train(model, opt, range(SAVED_AT))
         at_save = full_state(model, opt)
         if option:
             for fmt in plan["save"]:
-                reshard.save(model, opt, ckpt(out_dir, world, fmt), fmt)
+                reshard.save(model, opt, ckpt(out_dir, shape, fmt), fmt)
         more = train(model, opt, range(SAVED_AT, STEPS))
         out["run", option] = dict(norms=norms + more[0], refs=refs + more[1], at_save=at_save,
                                   end=full_state(model, opt))  # fmt: skip
-    for saved_tp, fmt in plan["load"]:
-        model, opt = build(True, world, seed=12)
+    for saved, fmt in plan["load"]:
+        model, opt = build(True, tp, seed=12)
         try:
-            reshard.load(model, opt, ckpt(out_dir, saved_tp, fmt), fmt)
+            reshard.load(model, opt, ckpt(out_dir, saved, fmt), fmt)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - the result
             # torch's CheckpointException derives from BaseException, not Exception
-            out["load", saved_tp, fmt] = dict(error=f"{type(e).__name__}: {str(e)[-1500:]}")
+            out["load", saved, fmt] = dict(error=f"{type(e).__name__}: {str(e)[-1500:]}")
             continue
         state = full_state(model, opt)
         norms, refs = train(model, opt, range(SAVED_AT, STEPS))
-        out["load", saved_tp, fmt] = dict(loaded=state, end=full_state(model, opt), norms=norms,
-                                          refs=refs)  # fmt: skip
+        out["load", saved, fmt] = dict(loaded=state, end=full_state(model, opt), norms=norms,
+                                       refs=refs)  # fmt: skip
     return out
 
 
-# TP=2 saves in both formats; TP=1 saves, and loads both; TP=2 loads TP=1's (a second spawn
-# at TP=2). A load that fails at TP=2 could leave one rank waiting for the other, so only
-# the format that loads at TP=1 is loaded there.
+# (world, plan); shapes are (TP, DP). TP=2 saves in both formats; TP=1 saves, and loads
+# both; TP=2 loads TP=1's (a second spawn at TP=2). A load that fails at TP=2 could leave
+# one rank waiting for the other, so only the format that loads at TP=1 is loaded there.
+# TP and DP together: TP=2 x DP=2 (four ranks) saves and loads TP=1's; TP=1 x DP=2 and
+# TP=2 x DP=1 load it. Every rank trains on the same batches, so the data-parallel mean
+# is the same gradient at every DP size.
 PLANS = [
-    (2, dict(run=[True, False], save=[FULL, DP], load=[])),
-    (1, dict(run=[True, False], save=[FULL], load=[(2, FULL), (2, DP)])),
-    (2, dict(run=[], save=[], load=[(1, FULL)])),
+    (2, dict(tp=2, run=[True, False], save=[FULL, DP], load=[])),
+    (1, dict(tp=1, run=[True, False], save=[FULL], load=[((2, 1), FULL), ((2, 1), DP)])),
+    (4, dict(tp=2, run=[True], save=[FULL], load=[((1, 1), FULL)])),
+    (2, dict(tp=2, run=[], save=[], load=[((1, 1), FULL), ((2, 2), FULL)])),
+    (2, dict(tp=1, run=[True], save=[], load=[((2, 2), FULL)])),
 ]
 
 
@@ -205,7 +232,7 @@ def tp_runs(tmp_path_factory):
     for world, plan in PLANS:
         for result in run_ranks(tmp_path, world, tp_job, plan):
             for key, value in result.items():
-                out.setdefault(key + (world,), []).append(value)
+                out.setdefault(key + ((plan["tp"], world // plan["tp"]),), []).append(value)
     return out
 
 
@@ -217,9 +244,9 @@ def test_norm_counts_shards_once_each_and_replicas_once(tp_runs, tp, option):
     two steps' fp64 norms agree to 1e-12 (the model's TP split is exact; the first clip
     coefficient rounds alike); later the parameters differ by the clip coefficients' fp32
     rounding, so the norms agree to 1e-6."""
-    for r in tp_runs["run", option, tp]:
+    for r in tp_runs["run", option, (tp, 1)]:
         assert r["norms"] == pytest.approx(r["refs"], rel=1e-6), r
-    one, two = tp_runs["run", option, 1][0], tp_runs["run", option, 2][0]
+    one, two = tp_runs["run", option, (1, 1)][0], tp_runs["run", option, (2, 1)][0]
     assert one["refs"][:2] == pytest.approx(two["refs"][:2], rel=1e-12)
     assert one["refs"] == pytest.approx(two["refs"], rel=1e-6)
 
@@ -232,17 +259,22 @@ def assert_close_normwise(got: dict, want: dict, what: str) -> None:
             assert torch.equal(got[name]["model"], entry["model"]), (what, name)
 
 
-@pytest.mark.parametrize("saved_tp,fmt", [(2, FULL), (1, FULL)], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_tp_resharded_load_continues_like_the_uninterrupted_run(tp_runs, saved_tp, fmt):
-    """Saved at one TP size with the option, loaded at the other into a model built from
-    other values: every full parameter and Adam state tensor (shards joined) equals the
-    saver's bit for bit on every rank, ``step`` included; two more steps equal the
-    uninterrupted run at the new size within ``TOLERANCE``, norms too."""
-    tp = 3 - saved_tp
-    saver = tp_runs["run", True, saved_tp][0]
-    reference = tp_runs["run", True, tp]
-    runs = tp_runs["load", saved_tp, fmt, tp]
-    assert len(runs) == tp
+RESHARDS = [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((2, 2), (1, 2)), ((2, 2), (2, 1)),
+            ((1, 1), (2, 2))]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "saved,loaded", RESHARDS, ids=[f"tp{a}dp{b}-to-tp{c}dp{d}" for (a, b), (c, d) in RESHARDS]
+)
+def test_tp_resharded_load_continues_like_the_uninterrupted_run(tp_runs, saved, loaded):
+    """Saved at one (TP, DP) shape with the option, loaded at another into a model built
+    from other values: every full parameter and Adam state tensor (shards joined) equals
+    the saver's bit for bit on every rank, ``step`` included; two more steps equal the
+    uninterrupted run at the new shape within ``TOLERANCE``, norms too."""
+    saver = tp_runs["run", True, saved][0]
+    reference = tp_runs["run", True, loaded]
+    runs = tp_runs["load", saved, FULL, loaded]
+    assert len(runs) == len(reference) == loaded[0] * loaded[1]
     for r, u in zip(runs, reference, strict=True):
         assert "error" not in r, r
         reshard.assert_same(r["loaded"], saver["at_save"], "loaded")
@@ -251,11 +283,25 @@ def test_tp_resharded_load_continues_like_the_uninterrupted_run(tp_runs, saved_t
         assert r["norms"] == pytest.approx(r["refs"], rel=1e-6)
 
 
+def test_tp_and_dp_together_train_as_each_alone(tp_runs):
+    """TP=2 x DP=2 and TP=1 x DP=2 (the same batches on every rank): every step's norm
+    within 1e-6 of fp64 on every rank, and the norms and final state those of TP=2 and
+    TP=1 at one data-parallel rank within ``TOLERANCE`` (the data-parallel mean of equal
+    gradients is the same gradient; what changes is which rank owns which state)."""
+    for shape, alone in (((2, 2), (2, 1)), ((1, 2), (1, 1))):
+        runs, one = tp_runs["run", True, shape], tp_runs["run", True, alone][0]
+        assert len(runs) == shape[0] * shape[1]
+        for r in runs:
+            assert r["norms"] == pytest.approx(r["refs"], rel=1e-6), r
+            assert r["norms"] == pytest.approx(one["norms"], rel=TOLERANCE)
+            assert_close_normwise(r["end"], one["end"], f"{shape} vs {alone}")
+
+
 def test_dp_reshardable_does_not_reshard_tp(tp_runs):
     """megatron-core's ``dp_reshardable`` optimizer state is laid out per data-parallel
     bucket of one TP rank: saved at TP=2, loaded at TP=1, megatron-core refuses (a global
     shape mismatch of the bucket tensor), no wrong data. ``fully_reshardable`` reshards
     TP (above)."""
-    (r,) = tp_runs["load", 2, DP, 1]
+    (r,) = tp_runs["load", (2, 1), DP, (1, 1)]
     assert r.get("error", "").startswith("CheckpointException"), r
     assert "Global shape mismatch" in r["error"], r
