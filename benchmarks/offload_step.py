@@ -146,55 +146,31 @@ class Setup:
             p.grad = self.mirror.cpu_grads[s.start : s.end]
             self.views.append(p)
         self.per_param = [torch.optim.AdamW([p], fused=True, **ADAM) for p in self.views]
-        # chunked: its own parameters' state (separate optimizers, same views)
-        self.chunk_opts = [torch.optim.AdamW([p], fused=True, **ADAM) for p in self.views]
-        entries = [
-            Entry(p, s, o, 0) for p, s, o in zip(self.views, local, self.chunk_opts, strict=True)
-        ]
         runs = chunk_spans([layout.local(b) for b in layout.blocks], chunk_numel, local)
+        spans = [r for _, r in runs]
+
+        def stepper(mirror, views, moments=(torch.float32, torch.float32)):
+            """Per-parameter optimizers of their own over ``views`` (their state) and the
+            chunked step over ``mirror`` that steps them."""
+            opts = [torch.optim.AdamW([p], fused=True, **ADAM) for p in views]
+            entries = [Entry(p, s, o, 0) for p, s, o in zip(views, local, opts, strict=True)]
+            return opts, ChunkedAdamW(
+                mirror.host_params, mirror.cpu_grads, entries, spans, compute_numel,
+                moment_dtypes=moments,
+            )  # fmt: skip
+
+        # chunked: its own parameters' state (separate optimizers, same views)
         self.chunks = host_mirror.chunk_copies(self.mirror, runs)
-        self.stepper = ChunkedAdamW(
-            self.mirror.host_params,
-            self.mirror.cpu_grads,
-            entries,
-            [r for _, r in runs],
-            compute_numel,
-        )
+        self.chunk_opts, self.stepper = stepper(self.mirror, self.views)
         # chunked_device: the same over the mirror that converts on the device
         wide_views = [self.wide.host_params[s.start : s.end] for s in local]
-        self.wide_opts = [torch.optim.AdamW([p], fused=True, **ADAM) for p in wide_views]
         self.wide_chunks = host_mirror.chunk_copies(self.wide, runs)
-        self.wide_stepper = ChunkedAdamW(
-            self.wide.host_params,
-            self.wide.cpu_grads,
-            [Entry(p, s, o, 0) for p, s, o in zip(wide_views, local, self.wide_opts, strict=True)],
-            [r for _, r in runs],
-            compute_numel,
-        )
+        self.wide_opts, self.wide_stepper = stepper(self.wide, wide_views)
         # chunked_bf16m / chunked_device_bf16m: the two chunked steps keeping Adam's moments
         # in bf16 (megatron-core's exp_avg_dtype / exp_avg_sq_dtype), their own state
         bf16m = (torch.bfloat16, torch.bfloat16)
-        self.bf16m_opts = [torch.optim.AdamW([p], fused=True, **ADAM) for p in self.views]
-        self.bf16m_stepper = ChunkedAdamW(
-            self.mirror.host_params,
-            self.mirror.cpu_grads,
-            [Entry(p, s, o, 0) for p, s, o in zip(self.views, local, self.bf16m_opts, strict=True)],
-            [r for _, r in runs],
-            compute_numel,
-            moment_dtypes=bf16m,
-        )
-        self.wide_bf16m_opts = [torch.optim.AdamW([p], fused=True, **ADAM) for p in wide_views]
-        self.wide_bf16m_stepper = ChunkedAdamW(
-            self.wide.host_params,
-            self.wide.cpu_grads,
-            [
-                Entry(p, s, o, 0)
-                for p, s, o in zip(wide_views, local, self.wide_bf16m_opts, strict=True)
-            ],
-            [r for _, r in runs],
-            compute_numel,
-            moment_dtypes=bf16m,
-        )
+        self.bf16m_opts, self.bf16m_stepper = stepper(self.mirror, self.views, bf16m)
+        self.wide_bf16m_opts, self.wide_bf16m_stepper = stepper(self.wide, wide_views, bf16m)
         # the GPU-resident part: fp32 masters updated by torch's fused AdamW on the device
         self.gpu_views = [self.params[s.start : s.end] for s in resident]
         self.masters = [v.float().requires_grad_(False) for v in self.gpu_views]
