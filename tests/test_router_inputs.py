@@ -207,3 +207,30 @@ def float16_job(rank, world, log, out_dir):
 def test_our_float16_module_aligns_the_routers_it_keeps_in_fp32(tmp_path):
     (out,) = run_ranks(tmp_path, 1, float16_job)
     assert out == {"dtype": "torch.float32", "hooks": 1}
+
+
+def test_the_hook_casts_the_input_however_it_is_passed_and_nothing_else():
+    """The pre-hook on its own: the input cast to the weight's dtype when passed by position
+    or as ``input=``; other arguments, an input already in the weight's dtype and an
+    integer tensor left alone."""
+    from megatron_ext.fp32 import _input_to_weight_dtype
+
+    class Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, input, mask=None):
+            return input, mask
+
+    gate = Gate()
+    gate.register_forward_pre_hook(_input_to_weight_dtype, with_kwargs=True)
+    x = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
+    mask = torch.tensor([1.0, 0.0], dtype=torch.bfloat16)
+    for got, m in (gate(x, mask), gate(input=x, mask=mask)):
+        assert got.dtype == torch.float32 and torch.equal(got, x.float())
+        assert m is mask  # only the input is cast
+    same = torch.ones(3)
+    assert gate(same)[0] is same and gate(input=same)[0] is same
+    ints = torch.arange(3)
+    assert gate(ints)[0] is ints
