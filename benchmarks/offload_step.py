@@ -1,7 +1,8 @@
 """The offloaded optimizer step, phase by phase: per-parameter against chunked, and its floors.
 
 Run: ``python benchmarks/offload_step.py --device {cpu,cuda} --out DIR [--hidden H]
-[--layers L] [--vocab V] [--fraction F] [--chunk-numel N] [--threads T [T ...]]``.
+[--layers L] [--vocab V] [--fraction F] [--chunk-numel N] [--threads T [T ...]]
+[--variants NAME [NAME ...]]``.
 
 What is stepped: the precision-aware CPU-offload case of a GPT's parameters (``--layers``
 transformer layers of width ``--hidden``, a ``--vocab`` embedding; bf16 weights, one fp32
@@ -20,16 +21,21 @@ Variants, same parameters, same run:
   copy per block.
 - ``chunked``: :mod:`megatron_ext.offload.step` (``MegatronOptions(offload_step="chunked")``):
   every chunk's device-to-host copy issued at once on a copy stream; per chunk wait, then
-  in sub-ranges of ``--compute-numel`` elements convert, one fused call per hyperparameter
-  set and pack (its ``cpu_update`` phase holds all three; ``convert`` and ``pack`` are 0),
-  and its host-to-device copy on another stream.
-- ``chunked_device``: the same with ``MegatronOptions(offload_convert="device")``: fp32
-  crosses both ways, converted on the device, so the host runs only the fused AdamW over
+  one call of the compiled kernel (:mod:`megatron_ext.offload.native`: per element the bf16
+  gradient widened, torch's fused AdamW arithmetic, the parameter rounded to bf16 into the
+  staging, in one pass; its ``cpu_update`` phase holds all of it, ``convert`` and ``pack``
+  are 0), and its host-to-device copy on another stream. Where the kernel is not available
+  (no compiler, ``BUFFERS_CPU_KERNEL=off``) this is ``chunked_torch``; the ``kernel``
+  field says which ran.
+- ``chunked_torch``: the same step on torch's ops: per sub-range of ``--compute-numel``
+  elements convert, one ``torch._fused_adamw_`` per hyperparameter set, pack.
+- ``chunked_device``: ``chunked`` with ``MegatronOptions(offload_convert="device")``: fp32
+  crosses both ways, converted on the device, so the host runs only the AdamW update over
   the pinned fp32 gradients and parameters (twice the bus bytes of a bf16 buffer; its
   ``d2h_bytes`` / ``h2d_bytes`` and the fp32 copy floors say how many).
 - ``chunked_bf16m`` and ``chunked_device_bf16m``: those two keeping Adam's moments in bf16
   (the precision-aware optimizer's ``exp_avg_dtype`` / ``exp_avg_sq_dtype``): each moment
-  widened to fp32 per sub-range for the fused call and rounded back, 2 bytes per element
+  widened to fp32 for the update and rounded back (to nearest even), 2 bytes per element
   in host memory instead of 4. Their state differs from the fp32-moment variants' by
   design (``tests/test_offload_moments.py`` checks it against fp64); the floor stays the
   fp32 one.
@@ -42,7 +48,8 @@ around it: ``d2h``, ``convert``, ``cpu_update``, ``pack``, ``h2d``, ``gpu_update
 CPU updates; ``d2h_floor`` / ``h2d_floor`` one pinned copy of the bytes each way. On the
 CPU there is no device: the copies are host copies and the floors of copies are host
 memcpys; the output says so. ``--threads`` repeats everything at each number of torch
-intra-op threads (the CPU update's knob; default: torch's current number).
+intra-op threads (the CPU update's knob; default: torch's current number); ``--variants``
+measures a subset (the floors always).
 
 Rounds are interleaved: every variant and floor is timed once per round, in turn; each
 reports its fastest round's median, and a line warns when rounds spread more than 20%.
@@ -65,6 +72,7 @@ import torch
 from benchmarks import common
 from buffers.spans import Span
 from megatron_ext.offload import host_mirror
+from megatron_ext.offload import native as offload_native
 from megatron_ext.offload import plan as offload_plan
 from megatron_ext.offload.step import (
     DEFAULT_CHUNK_NUMEL,
@@ -149,19 +157,21 @@ class Setup:
         runs = chunk_spans([layout.local(b) for b in layout.blocks], chunk_numel, local)
         spans = [r for _, r in runs]
 
-        def stepper(mirror, views, moments=(torch.float32, torch.float32)):
+        def stepper(mirror, views, moments=(torch.float32, torch.float32), kernel="auto"):
             """Per-parameter optimizers of their own over ``views`` (their state) and the
             chunked step over ``mirror`` that steps them."""
             opts = [torch.optim.AdamW([p], fused=True, **ADAM) for p in views]
             entries = [Entry(p, s, o, 0) for p, s, o in zip(views, local, opts, strict=True)]
             return opts, ChunkedAdamW(
                 mirror.host_params, mirror.cpu_grads, entries, spans, compute_numel,
-                moment_dtypes=moments,
+                moment_dtypes=moments, kernel=kernel,
             )  # fmt: skip
 
         # chunked: its own parameters' state (separate optimizers, same views)
         self.chunks = host_mirror.chunk_copies(self.mirror, runs)
         self.chunk_opts, self.stepper = stepper(self.mirror, self.views)
+        # chunked_torch: the same on torch's ops (convert, fused call, pack per sub-range)
+        self.torch_opts, self.torch_stepper = stepper(self.mirror, self.views, kernel="torch")
         # chunked_device: the same over the mirror that converts on the device
         wide_views = [self.wide.host_params[s.start : s.end] for s in local]
         self.wide_chunks = host_mirror.chunk_copies(self.wide, runs)
@@ -243,6 +253,9 @@ class Setup:
 
     def chunked(self, timer) -> None:
         self._chunked(timer, self.chunks, self.stepper)
+
+    def chunked_torch(self, timer) -> None:
+        self._chunked(timer, self.chunks, self.torch_stepper)
 
     def chunked_device(self, timer) -> None:
         self._chunked(timer, self.wide_chunks, self.wide_stepper)
@@ -367,11 +380,26 @@ def _timed(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-VARIANTS = ("per_parameter", "chunked", "chunked_device", "chunked_bf16m", "chunked_device_bf16m")
+VARIANTS = (
+    "per_parameter",
+    "chunked_torch",
+    "chunked",
+    "chunked_device",
+    "chunked_bf16m",
+    "chunked_device_bf16m",
+)
+STEPPERS = {
+    "chunked_torch": "torch_stepper",
+    "chunked": "stepper",
+    "chunked_device": "wide_stepper",
+    "chunked_bf16m": "bf16m_stepper",
+    "chunked_device_bf16m": "wide_bf16m_stepper",
+}
 
 
-def measure(setup: Setup, rounds: int, warmup: int, reps: int) -> list[dict]:
-    """Every variant, mode and floor of one setup, interleaved over ``rounds``."""
+def measure(setup: Setup, rounds: int, warmup: int, reps: int, variants=VARIANTS) -> list[dict]:
+    """Every variant (of ``variants``), mode and floor of one setup, interleaved over
+    ``rounds``."""
     device = setup.device
     phases: dict[tuple[str, str], list[dict]] = {}
 
@@ -406,8 +434,8 @@ def measure(setup: Setup, rounds: int, warmup: int, reps: int) -> list[dict]:
         return run
 
     measures = {
-        **{(name, "overlapped"): variant(name, False) for name in VARIANTS},
-        **{(name, "drained"): variant(name, True) for name in VARIANTS},
+        **{(name, "overlapped"): variant(name, False) for name in variants},
+        **{(name, "drained"): variant(name, True) for name in variants},
         ("cpu_floor", "-"): floor("cpu_floor"),
         ("d2h_floor", "-"): floor("d2h_floor"),
         ("h2d_floor", "-"): floor("h2d_floor"),
@@ -422,9 +450,12 @@ def measure(setup: Setup, rounds: int, warmup: int, reps: int) -> list[dict]:
             continue
         best = min(range(len(per_round)), key=per_round.__getitem__)
         wide = name.startswith("chunked_device")
+        stepper = getattr(setup, STEPPERS[name]) if name in STEPPERS else None
         row = {
             "variant": name,
             "mode": mode,
+            # how the chunks were updated: the compiled kernel or torch's ops
+            "kernel": None if stepper is None else ("native" if stepper.uses_native else "torch"),
             "threads": torch.get_num_threads(),
             "cpu_numel": setup.cpu_numel,
             "gpu_numel": setup.gpu_numel,
@@ -458,6 +489,7 @@ def same_result(setup: Setup) -> bool:
     out = []
     variants = (
         ("per_parameter", setup.per_param, setup.mirror.host_params),
+        ("chunked_torch", setup.torch_opts, setup.mirror.host_params),
         ("chunked", setup.chunk_opts, setup.mirror.host_params),
         ("chunked_device", setup.wide_opts, setup.wide.host_params),
     )
@@ -489,6 +521,13 @@ def parse_args(argv):
         "--fraction", type=float, default=1.0, help="offload fraction (default: %(default)s)"
     )
     ap.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=list(VARIANTS),
+        help="the variants to measure (default: all); the floors are always measured",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         nargs="+",
@@ -509,6 +548,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "memcpys; the CPU update and its floor are what the numbers say",
             file=sys.stderr,
         )
+    print(f"chunked step's CPU update: {offload_native.describe()}", file=sys.stderr)
     warmup, reps = common.repeats(args, device)
     rounds = common.rounds(args, device)
     shapes = gpt_shapes(args.hidden, args.layers, args.vocab)
@@ -519,7 +559,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         for threads in common.progress(args.threads or [original], NAME):
             torch.set_num_threads(threads)
-            rows += measure(setup, rounds, warmup, common.per_round(reps, rounds))
+            rows += measure(
+                setup, rounds, warmup, common.per_round(reps, rounds), tuple(args.variants)
+            )
     finally:
         torch.set_num_threads(original)
     for r in rows:
@@ -540,6 +582,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             [
                 common.Column("threads", "threads"),
                 common.Column("variant", "variant"),
+                common.Column("kernel", "kernel"),
                 common.Column("mode", "mode"),
                 common.Column("step ms", "step_s", ms, "median step, fastest round"),
                 common.Column("x cpu floor", "step_over_cpu_floor", lambda v: f"{v:.2f}"),
@@ -553,7 +596,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ],
         )
     )
-    print(f"per-parameter, chunked and chunked_device leave the same optimizer state: {identical}")
+    print(
+        "per-parameter, chunked_torch, chunked and chunked_device leave the same optimizer "
+        f"state: {identical}"
+    )
     return rows
 
 

@@ -197,21 +197,40 @@ def describe() -> str:
 
 
 def _build() -> Path:
-    source = SOURCE.read_bytes()
+    return build_library(SOURCE, "cpu_sums")
+
+
+def build_library(
+    source: Path, stem: str, flags: Sequence[str] = (), libs: Sequence[str] = ()
+) -> Path:
+    """``source`` (plain C) compiled into a shared library kept in :func:`cache_dir` under a
+    name made from ``stem``, the source's hash, the compiler, the flags and the machine's
+    architecture; built once (atomically: a process loading it never sees half a file),
+    in a temporary folder where the cache is not writable. Raises RuntimeError (no
+    compiler, or it failed: its last line of output)."""
+    text = source.read_bytes()
     compiler = os.environ.get("CC") or "cc"
-    digest = hashlib.sha256(source + compiler.encode() + platform.machine().encode())
-    name = f"cpu_sums-{platform.machine()}-{digest.hexdigest()[:16]}.so"
+    extra = " ".join([*flags, "|", *libs])
+    digest = hashlib.sha256(text + compiler.encode() + extra.encode() + platform.machine().encode())
+    name = f"{stem}-{platform.machine()}-{digest.hexdigest()[:16]}.so"
     for folder in (cache_dir(), None):
         if folder is not None and (folder / name).is_file():
             return folder / name
         try:
-            return _compile(compiler, folder, name)
+            return _compile(compiler, source, folder, name, flags, libs)
         except PermissionError:
             continue  # an unwritable cache: build in a temporary folder instead
     raise RuntimeError("no writable folder to build it in")
 
 
-def _compile(compiler: str, folder: Path | None, name: str) -> Path:
+def _compile(
+    compiler: str,
+    source: Path,
+    folder: Path | None,
+    name: str,
+    flags: Sequence[str],
+    libs: Sequence[str],
+) -> Path:
     exe = shutil.which(compiler)
     if exe is None:
         raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH")
@@ -225,7 +244,8 @@ def _compile(compiler: str, folder: Path | None, name: str) -> Path:
         raise PermissionError(f"{folder} is not writable")
     final = folder / name
     partial = folder / f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    cmd = [exe, "-O3", "-shared", "-fPIC", "-std=gnu11", str(SOURCE), "-o", str(partial)]
+    cmd = [exe, "-O3", "-shared", "-fPIC", "-std=gnu11", *flags, str(source)]
+    cmd += ["-o", str(partial), *libs]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)

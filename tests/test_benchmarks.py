@@ -408,12 +408,15 @@ def test_offload_step_cpu_run(tmp_path, capsys, fraction):
     records = read_outputs(tmp_path, "offload_step")
     assert records == json.loads(json.dumps(returned))
     assert {(r["variant"], r["mode"], r["threads"]) for r in records} == {
-        (v, m, t) for v in ("per_parameter", "chunked", "chunked_device", "chunked_bf16m",
-                            "chunked_device_bf16m")
+        (v, m, t) for v in ("per_parameter", "chunked_torch", "chunked", "chunked_device",
+                            "chunked_bf16m", "chunked_device_bf16m")
         for m in ("overlapped", "drained") for t in (1, 2)
     }  # fmt: skip
     for r in records:
         assert "error" not in r and r["same_state_as_per_parameter"] is True
+        # the compiled kernel (this machine has a compiler) where not asked for torch's ops
+        want = {"per_parameter": None, "chunked_torch": "torch"}.get(r["variant"], "native")
+        assert r["kernel"] == want, r["variant"]
         assert r["step_s"] == min(r["step_rounds_s"]) and r["cpu_floor_s"] > 0
         assert r["step_over_cpu_floor"] == pytest.approx(r["step_s"] / r["cpu_floor_s"])
         assert r["chunks"] > r["blocks"] >= 1
@@ -430,8 +433,10 @@ def test_offload_step_cpu_run(tmp_path, capsys, fraction):
     assert moved["chunked"] == moved["per_parameter"]
     assert moved["chunked_bf16m"] == moved["chunked"]  # the moments stay on the host
     assert moved["chunked_device_bf16m"] == moved["chunked_device"]
+    assert moved["chunked_torch"] == moved["chunked"]
     out = capsys.readouterr()
     assert "no device: copies are host copies" in out.err
+    assert "chunked step's CPU update: compiled kernel" in out.err
     assert "leave the same optimizer state: True" in out.out
 
 
@@ -469,6 +474,32 @@ def test_offload_step_notices_a_chunked_step_that_differs(monkeypatch):
     monkeypatch.setattr(ChunkedAdamW, "update", lambda self, i, c=None: i == 0 or real(self, i, c))
     setup = script.Setup(script.gpt_shapes(32, 1, 100), 1.0, 500, torch.device("cpu"))
     assert script.same_result(setup) is False
+
+
+def test_offload_step_notices_a_compiled_kernel_that_differs(monkeypatch):
+    """The compiled kernel skipping one chunk is seen against the per-parameter step and
+    the chunked step on torch's ops."""
+    script = load_script("offload_step")
+    from megatron_ext.offload import native
+
+    native.kernel()
+    real, calls = native.HostAdamW.run, []
+
+    def skipping_the_first(self, *args, **kwargs):
+        calls.append(1)
+        return None if len(calls) == 1 else real(self, *args, **kwargs)
+
+    monkeypatch.setattr(native.HostAdamW, "run", skipping_the_first)
+    setup = script.Setup(script.gpt_shapes(32, 1, 100), 1.0, 500, torch.device("cpu"))
+    assert script.same_result(setup) is False and calls
+
+
+def test_offload_step_measures_only_the_variants_asked_for(tmp_path):
+    script = load_script("offload_step")
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--variants", "chunked", "chunked_torch"]
+    records = script.main(argv + OFFLOAD_STEP_TINY)
+    assert {r["variant"] for r in records} == {"chunked", "chunked_torch"}
+    assert all(r["cpu_floor_s"] > 0 for r in records)
 
 
 def test_offload_cpu_run(tmp_path):

@@ -186,13 +186,22 @@ def test_the_wheel_ships_every_module_py_typed_and_the_kernels_source(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"buffers/py.typed", "megatron_ext/py.typed", "buffers/cpu_sums.c"} <= names
+    assert {
+        "buffers/py.typed",
+        "megatron_ext/py.typed",
+        "buffers/cpu_sums.c",
+        "megatron_ext/offload/host_adamw.c",
+    } <= names
     # every module ships, subpackages' too (setuptools lists packages explicitly)
     sources = {
         str(f.relative_to(ROOT))
         for package in ("buffers", "megatron_ext")
         for f in (ROOT / package).rglob("*.py")
-    } | {str(f.relative_to(ROOT)) for f in (ROOT / "buffers").rglob("*.c")}
+    } | {
+        str(f.relative_to(ROOT))
+        for package in ("buffers", "megatron_ext")
+        for f in (ROOT / package).rglob("*.c")
+    }
     assert "megatron_ext/offload/hybrid.py" in sources
     assert sources - names == set()
 

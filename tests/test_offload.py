@@ -38,7 +38,11 @@ from tests.support.offload_sim import (
     FP32_SHAPES,
     SHAPES,
     MirrorChunked,
+    MirrorChunkedNative,
     MirrorChunkedOnDevice,
+    MirrorChunkedOnDeviceNative,
+    MirrorChunkedOnDeviceTorch,
+    MirrorChunkedTorch,
     MirrorPlaced,
     MirrorPlacedOnDevice,
     SimBuffer,
@@ -610,8 +614,22 @@ def test_threads_are_set_for_the_step_and_restored(cpu_streams, monkeypatch):
         lambda *a, **k: counts.append(torch.get_num_threads()) or real(*a, **k),
     )
     child.optimizer.chunked_step = True
+    child.optimizer.offload_kernel = "torch"
     child.optimizer.step()
     assert counts and set(counts) == {other} and torch.get_num_threads() == before
+    # the compiled kernel is handed the same number of threads
+    from megatron_ext.offload import native
+
+    handed = []
+    real_run = native.HostAdamW.run
+    monkeypatch.setattr(
+        native.HostAdamW,
+        "run",
+        lambda self, *a: handed.append(a[4]) or real_run(self, *a),
+    )
+    child.optimizer.offload_kernel = "native"
+    child.optimizer.step()
+    assert handed and set(handed) == {other} and torch.get_num_threads() == before
     with hybrid.cpu_threads(None):
         assert torch.get_num_threads() == before
 
@@ -787,15 +805,29 @@ def test_checkpoints_move_between_the_chunked_and_per_parameter_steps(
 )
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 @pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])
-@pytest.mark.parametrize("cls", [MirrorChunked, MirrorChunkedOnDevice], ids=["host", "device"])
+@pytest.mark.parametrize(
+    "cls",
+    [
+        MirrorChunkedNative,
+        MirrorChunkedOnDeviceNative,
+        MirrorChunkedTorch,
+        MirrorChunkedOnDeviceTorch,
+    ],
+    ids=["host-native", "device-native", "host-torch", "device-torch"],
+)
 def test_chunked_step_is_stock_bit_for_bit_at_any_chunk_size(
     cpu_streams, cls, pa, fraction, chunk, compute
 ):
     """Chunks (copies) and their sub-ranges (convert, update, pack) of any size, the
-    gradients and parameters converted on the host or on the device."""
+    gradients and parameters converted on the host or on the device, the chunks updated by
+    the compiled kernel (one pass) or by torch's ops."""
     stock = train(StockPlacedFp32Fixed, pa, fraction, 3)
     ours = train(cls, pa, fraction, 3, chunk=chunk, compute=compute)
     assert ours[2]._chunked is not None, ours[2].chunked_step_off
+    native = cls.offload_kernel == "native"
+    for stepper in ours[2]._chunked[0]:
+        assert stepper.uses_native is native
+        assert stepper.native_updates == (len(stepper.chunks) if native else 0)
     steppers, copies, _, _ = ours[2]._chunked
     subs = sum(len(c) for s in steppers for c in s.subs)
     assert (subs > len(copies)) == (compute < chunk)
@@ -870,7 +902,7 @@ def test_chunked_step_order_and_one_call_per_chunk_and_hyperparameters(cpu_strea
         return real_fused(params, *args, **kwargs)
 
     monkeypatch.setattr(torch, "_fused_adamw_", counting)
-    ours = train(MirrorChunked, True, 1.0, 1, chunk=200, compute=64)
+    ours = train(MirrorChunkedTorch, True, 1.0, 1, chunk=200, compute=64)
     _, copies, _, _ = ours[2]._chunked
     ids = [id(c) for c in copies]
     n = len(ids)
@@ -889,6 +921,36 @@ def test_chunked_step_order_and_one_call_per_chunk_and_hyperparameters(cpu_strea
                 }
                 expected += len(wds)
     assert len(calls) == expected and {wd for _, wd, _ in calls} == {0.0, 0.1}
+
+
+def test_the_compiled_kernel_runs_once_per_chunk_with_every_family(cpu_streams, monkeypatch):
+    """The compiled kernel: one call per chunk, in chunk order, torch's fused AdamW never
+    called, the families' hyperparameters (weight decay 0 and 0.1, the lr schedule) and
+    the step's thread count handed over."""
+    from megatron_ext.offload import native
+
+    native.kernel()  # its probe calls torch's kernel: before the counting starts
+    fused = []
+    real_fused = torch._fused_adamw_
+    monkeypatch.setattr(
+        torch, "_fused_adamw_", lambda *a, **k: fused.append(1) or real_fused(*a, **k)
+    )
+    runs = []
+    real_run = native.HostAdamW.run
+
+    def counting(self, tasks, hyper, steps, kinds, threads, *args, **kwargs):
+        runs.append((len(tasks), list(hyper), threads))
+        return real_run(self, tasks, hyper, steps, kinds, threads, *args, **kwargs)
+
+    monkeypatch.setattr(native.HostAdamW, "run", counting)
+    ours = train(MirrorChunkedNative, True, 1.0, 1, chunk=200, compute=64)
+    chunks = sum(len(s.chunks) for s in ours[2]._chunked[0])
+    gpu_calls = 1 if ours[2].gpu_optimizer is not None else 0
+    assert len(runs) == chunks and len(fused) == gpu_calls
+    lrs_wds = {(h[i], h[i + 3]) for _, h, _ in runs for i in range(0, len(h), 5)}
+    assert {wd for _, wd in lrs_wds} == {0.0, 0.1}
+    assert {lr for lr, _ in lrs_wds} == {g["lr"] for g in ours[2].param_groups}
+    assert {t for _, _, t in runs} == {torch.get_num_threads()}
 
 
 def test_chunked_adamw_refuses_what_is_not_the_mirror():

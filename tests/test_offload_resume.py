@@ -21,7 +21,9 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_ext.opt_checkpoint import place_sub_optimizer_state
 from tests.support.offload_sim import (
     MirrorChunked,
+    MirrorChunkedNative,
     MirrorChunkedOnDevice,
+    MirrorChunkedTorch,
     MirrorPlaced,
     MirrorPlacedOnDevice,
     StockPlacedFp32Fixed,
@@ -148,6 +150,9 @@ PAIRS = {
     "per_parameter_to_chunked": (MirrorPlaced, MirrorChunked),
     "chunked_to_per_parameter": (MirrorChunked, MirrorPlaced),
     "chunked_to_chunked": (MirrorChunked, MirrorChunked),
+    # the compiled kernel and torch's ops: the same state either way
+    "chunked_native_to_chunked_torch": (MirrorChunkedNative, MirrorChunkedTorch),
+    "chunked_torch_to_chunked_native": (MirrorChunkedTorch, MirrorChunkedNative),
     # converting on the host or on the device: the same state either way
     "chunked_to_chunked_on_device": (MirrorChunked, MirrorChunkedOnDevice),
     "per_parameter_on_device_to_chunked": (MirrorPlacedOnDevice, MirrorChunked),

@@ -8,8 +8,11 @@ import copy
 import pytest
 import torch
 
+from megatron_ext.offload import native
 from tests.support.offload_sim import (
     MirrorChunked,
+    MirrorChunkedNative,
+    MirrorChunkedTorch,
     assert_same_run,
     make_hdo,
     one_step,
@@ -24,9 +27,12 @@ def cpu_streams(monkeypatch):
     return recording_streams(monkeypatch)
 
 
-def _fresh(fraction=0.5):
+KERNELS = {"torch": MirrorChunkedTorch, "native": MirrorChunkedNative}
+
+
+def _fresh(fraction=0.5, kernel="torch"):
     bf16, fp32, groups, sources, bind, shard16 = sim(True, False, False, 2, 1)
-    hdo = make_hdo(MirrorChunked, groups, fraction, True, sources, 200, 64)
+    hdo = make_hdo(KERNELS[kernel], groups, fraction, True, sources, 200, 64)
     return bf16, fp32, hdo, shard16, bind
 
 
@@ -52,30 +58,44 @@ def _assert_snapshot_equal(a, b):
 
 
 class _Failing:
-    """torch._fused_adamw_ raising at its ``at``-th call (counted from 1)."""
+    """torch._fused_adamw_ (kernel "torch") or the compiled kernel's call (kernel
+    "native") raising at its ``at``-th call (counted from 1), before it writes anything."""
 
-    def __init__(self, monkeypatch, at):
-        self.calls, self.at, self.real = 0, at, torch._fused_adamw_
-        monkeypatch.setattr(torch, "_fused_adamw_", self)
+    def __init__(self, monkeypatch, at, kernel="torch"):
+        self.calls, self.at = 0, at
+        self.owner, self.name = (
+            (torch, "_fused_adamw_") if kernel == "torch" else (native.HostAdamW, "run")
+        )
+        self.real = getattr(self.owner, self.name)
+        self.monkeypatch = monkeypatch
+        failing = self
 
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls == self.at:
-            raise RuntimeError("injected failure")
-        return self.real(*args, **kwargs)
+        def call(*args, **kwargs):
+            failing.calls += 1
+            if failing.calls == failing.at:
+                raise RuntimeError("injected failure")
+            return failing.real(*args, **kwargs)
+
+        monkeypatch.setattr(self.owner, self.name, call)
+
+    def restore(self):
+        self.monkeypatch.setattr(self.owner, self.name, self.real)
 
 
-def test_a_step_failing_at_its_first_update_leaves_everything_as_before(cpu_streams, monkeypatch):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_step_failing_at_its_first_update_leaves_everything_as_before(
+    cpu_streams, monkeypatch, kernel
+):
     """Counters, moments, parameters on both sides unchanged, no copy in flight, and the
     run then continues exactly as one that never failed."""
     plain = train(MirrorChunked, True, 0.5, 4, chunk=200, compute=64)
-    run = _fresh()
+    run = _fresh(kernel=kernel)
     bf16, fp32, hdo, _, bind = run
     gen = torch.Generator().manual_seed(11)
     one_step(bf16, fp32, bind, hdo, 0, gen)
     one_step(bf16, fp32, bind, hdo, 1, gen)
     before = _snapshot(run)
-    failing = _Failing(monkeypatch, at=1)
+    failing = _Failing(monkeypatch, at=1, kernel=kernel)
     state = gen.get_state()
     with pytest.raises(RuntimeError, match="injected failure"):
         one_step(bf16, fp32, bind, hdo, 2, gen)
@@ -86,30 +106,34 @@ def test_a_step_failing_at_its_first_update_leaves_everything_as_before(cpu_stre
     log = cpu_streams
     assert all(log.known_done(op) for op in log.copies if op.what.startswith("d2h"))
     assert all(log.compute.precedes(op) for op in log.copies if op.what.startswith("h2d"))
-    monkeypatch.setattr(torch, "_fused_adamw_", failing.real)
+    failing.restore()
     gen.set_state(state)  # the same gradients again
     one_step(bf16, fp32, bind, hdo, 2, gen)
     one_step(bf16, fp32, bind, hdo, 3, gen)
     assert_same_run(plain, (bf16, fp32, hdo, run[3]))
 
 
-def test_a_step_failing_part_way_refuses_to_continue_until_a_load(cpu_streams, monkeypatch):
-    run = _fresh()
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_step_failing_part_way_refuses_to_continue_until_a_load(cpu_streams, monkeypatch, kernel):
+    run = _fresh(kernel=kernel)
     bf16, fp32, hdo, _, bind = run
     gen = torch.Generator().manual_seed(11)
     one_step(bf16, fp32, bind, hdo, 0, gen)
     saved = copy.deepcopy(hdo.state_dict())  # a checkpoint, not the live tensors
     log = cpu_streams
     before = len(log.copies)
-    failing = _Failing(monkeypatch, at=8)  # the GPU part's: every chunk went back
+    # torch: the 8th fused call is the GPU part's (every chunk went back); native: the
+    # second chunk's (the first one updated)
+    at = 8 if kernel == "torch" else 2
+    failing = _Failing(monkeypatch, at=at, kernel=kernel)
     with pytest.raises(RuntimeError, match="injected failure"):
         one_step(bf16, fp32, bind, hdo, 1, gen)
-    assert failing.calls == 8
+    assert failing.calls == at
     # no copy left in flight, the ones back to the device included: the host has seen
     # every one complete
     assert any(op.what.startswith("h2d") for op in log.copies[before:])
     assert all(log.known_done(op) for op in log.copies)
-    monkeypatch.setattr(torch, "_fused_adamw_", failing.real)
+    failing.restore()
     with pytest.raises(RuntimeError, match="failed part way .*load the last checkpoint"):
         one_step(bf16, fp32, bind, hdo, 1, gen)
     hdo.load_state_dict(saved)
@@ -118,12 +142,13 @@ def test_a_step_failing_part_way_refuses_to_continue_until_a_load(cpu_streams, m
     assert steps == {2.0}
 
 
-def test_step_counters_shared_between_parameters_advance_once(cpu_streams):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_step_counters_shared_between_parameters_advance_once(cpu_streams, kernel):
     """A state whose parameters share one ``step`` tensor (a loaded state can) trains as
     one with a counter each (torch's fused kernel advanced the shared one once per
     parameter before)."""
     plain = train(MirrorChunked, True, 1.0, 3, chunk=200, compute=64)
-    run = _fresh(1.0)
+    run = _fresh(1.0, kernel)
     bf16, fp32, hdo, shard16, bind = run
     gen = torch.Generator().manual_seed(11)
     one_step(bf16, fp32, bind, hdo, 0, gen)
@@ -137,14 +162,17 @@ def test_step_counters_shared_between_parameters_advance_once(cpu_streams):
     assert_same_run(plain, (bf16, fp32, hdo, shard16))
 
 
-def test_the_step_reuses_its_views_and_bindings(cpu_streams, monkeypatch):
-    """The views each fused call reads are built at a chunk's first update and reused;
-    a state still bound is not bound again."""
-    bf16, fp32, hdo, _, bind = _fresh()
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_step_reuses_its_views_and_bindings(cpu_streams, monkeypatch, kernel):
+    """The views each fused call reads (torch) or the tasks the compiled kernel runs
+    (native) are built at a chunk's first update and reused; a state still bound is not
+    bound again."""
+    bf16, fp32, hdo, _, bind = _fresh(kernel=kernel)
     gen = torch.Generator().manual_seed(11)
     one_step(bf16, fp32, bind, hdo, 0, gen)
     steppers = hdo._chunked[0]
-    plans = [{c: plan for c, (_, plan) in s._plans.items()} for s in steppers]
+    kept = "_plans" if kernel == "torch" else "_native_plans"
+    plans = [{c: plan for c, (_, plan) in getattr(s, kept).items()} for s in steppers]
     assert all(plans)
     copies = []
     real_copy = torch.Tensor.copy_
@@ -160,4 +188,5 @@ def test_the_step_reuses_its_views_and_bindings(cpu_streams, monkeypatch):
     assert copies == []  # still bound: nothing copied in
     one_step(bf16, fp32, bind, hdo, 1, gen)
     for s, before in zip(steppers, plans, strict=True):
-        assert all(s._plans[c][1] is plan for c, plan in before.items())
+        assert all(getattr(s, kept)[c][1] is plan for c, plan in before.items())
+        assert len(getattr(s, kept)) == len(s.chunks)

@@ -109,6 +109,9 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     # the dtypes of the chunked step's Adam moments (megatron-core's exp_avg_dtype and
     # exp_avg_sq_dtype with the precision-aware optimizer; its per-parameter step keeps fp32)
     moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
+    # how the chunked step updates a chunk (ChunkedAdamW's kernel): "auto" the compiled
+    # one-pass kernel where it reproduces torch's fused AdamW here, "native", "torch"
+    offload_kernel: str = "auto"
     _chunked: tuple | None = None
     _torn: str | None = None  # why the chunked step refuses to run (a step failed part way)
     _fallback_warned = False
@@ -276,6 +279,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                     [r for _, r in runs],
                     self.compute_numel,
                     tuple(self.moment_dtypes),
+                    self.offload_kernel,
                 )
             )
             copies += chunk_copies(m, runs)
@@ -307,7 +311,12 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         if not self.chunked_step or closure is not None:
             self._refuse_if_lean("chunked_step is off" if closure is None else "a closure")
             return super().step(closure)
-        sizes = (self.chunk_numel, self.compute_numel, tuple(self.moment_dtypes))
+        sizes = (
+            self.chunk_numel,
+            self.compute_numel,
+            tuple(self.moment_dtypes),
+            self.offload_kernel,
+        )
         if self._chunked_for != sizes:
             self._chunked, self._chunked_for = self._build_chunked(), sizes
         if self._chunked is None:
@@ -466,8 +475,10 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         chunked step has been built, also its host bytes per buffer: ``moment_bytes`` (the
         flat AdamW moments, 0 before the first step; per-parameter optimizers hold the same
         minus the padding between parameters, ``moment_padding_bytes``) and
-        ``scratch_bytes`` (the reused fp32 scratch: gradients, and narrow moments widened),
-        ``moment_dtypes``."""
+        ``scratch_bytes`` (the reused fp32 scratch: gradients, and narrow moments widened;
+        the compiled kernel does not touch it), ``moment_dtypes``, and ``kernel`` (after the
+        first step: ``"native"`` where the compiled kernel updates the chunks, else
+        ``"torch"``)."""
         stats = [m.stats() for m in self.host_mirrors]
         if self._chunked is not None:
             for row, stepper in zip(stats, self._chunked[0], strict=True):
@@ -480,6 +491,8 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                     (flat.numel() - params) * per_element if allocated else 0
                 )
                 row["moment_dtypes"] = stepper.moment_dtypes
+                if stepper.uses_native is not None:
+                    row["kernel"] = "native" if stepper.uses_native else "torch"
                 row["scratch_bytes"] = sum(
                     t.numel() * t.element_size()
                     for t in (stepper.scratch, *stepper.moment_scratch)

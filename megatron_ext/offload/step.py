@@ -25,6 +25,8 @@ import torch
 
 from buffers.spans import Span
 
+from . import native
+
 # Each chunk is one fused call per hyperparameter set and one copy each way; 4 Mi elements
 # (16 MiB of fp32) keeps a 335M-element shard at ~80 chunks (the per-call overhead is tens
 # of microseconds) while the first chunk's copy in and the last one's copy out stay short.
@@ -39,6 +41,11 @@ DEFAULT_COMPUTE_NUMEL = 2**20
 # the last bit. Cutting a parameter only at multiples of this many elements from its start
 # gives every element the code path it has in the whole parameter: results stay bit-equal.
 CUT_QUANTUM = 64
+
+# how a chunk is updated: "auto" the compiled kernel (:mod:`.native`: one pass per element)
+# where it is built and reproduces torch's fused AdamW here, else torch's ops; "native"
+# the kernel or an error; "torch" torch's ops (convert, torch._fused_adamw_, pack)
+KERNELS = ("auto", "native", "torch")
 
 # Adam moment dtypes the step keeps on the host (megatron-core's exp_avg_dtype and
 # exp_avg_sq_dtype; narrower ones are widened to fp32 for the fused call)
@@ -156,6 +163,8 @@ class ChunkedAdamW:
             rounded back to nearest even after it, as transformer-engine's ``FusedAdam``
             does on the GPU with megatron-core's ``exp_avg_dtype=torch.bfloat16``: 2 bytes
             per element instead of 4, read and written once per step.
+        kernel: one of :data:`KERNELS`. The two paths give the same bits (the compiled one
+            is only used where a probe shows it reproduces torch's kernel here).
     """
 
     def __init__(
@@ -166,7 +175,11 @@ class ChunkedAdamW:
         chunks: Sequence[Span],
         compute_numel: int = DEFAULT_COMPUTE_NUMEL,
         moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
+        kernel: str = "auto",
     ):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel={kernel!r}; expected one of {KERNELS}")
+        self.kernel = kernel
         for dtype in moment_dtypes:
             if dtype not in MOMENT_DTYPES:
                 raise ValueError(
@@ -242,7 +255,12 @@ class ChunkedAdamW:
         self._bound: list[tuple | None] = [None] * len(self.entries)
         self._hyper: list[tuple] = []
         self._plans: dict[int, tuple[object, tuple[_SubRange, ...]]] = {}
+        self._native_plans: dict[int, tuple[object, object]] = {}
+        self._native: native.HostAdamW | None = None  # resolved at the first begin()
+        self._native_resolved = False
+        self._hyper_c = None
         self.updated = 0  # fused calls made since begin()
+        self.native_updates = 0  # of them, chunks updated by the compiled kernel
 
     def _flat(self, t: torch.Tensor | None, span: Span) -> torch.Tensor:
         return t[span.start : span.end]
@@ -309,6 +327,30 @@ class ChunkedAdamW:
                 )
             )
         self.updated = 0
+        self.native_updates = 0
+        if not self._native_resolved:
+            self._native = self._resolve_kernel()
+            self._native_resolved = True
+        if self._native is not None:
+            self._hyper_c = native.hyper_array(self._hyper)
+
+    def _resolve_kernel(self) -> native.HostAdamW | None:
+        if self.kernel == "torch":
+            return None
+        found = native.kernel()
+        if found is None and self.kernel == "native":
+            raise RuntimeError(
+                "kernel='native': the offloaded step's compiled kernel is not available "
+                f"({native.describe()}); use kernel='auto' to fall back to torch's ops"
+            )
+        return found
+
+    @property
+    def uses_native(self) -> bool | None:
+        """Whether chunks are updated by the compiled kernel (None before the first
+        :meth:`begin`). A chunk the kernel cannot take (fp16 gradients or parameters)
+        still takes torch's ops."""
+        return (self._native is not None) if self._native_resolved else None
 
     def finish(self) -> None:
         """After every chunk's update: the step counters advance."""
@@ -387,6 +429,17 @@ class ChunkedAdamW:
         parameters packed into the staging. Without it, gradients are read from
         ``cpu_grads`` and nothing is packed.
         """
+        if self._native is not None:
+            tasks = self._native_plan(chunk, copies)
+            if tasks is not None:
+                kinds = tuple(native.KINDS[d] for d in self.moment_dtypes)
+                if len(tasks):
+                    self._native.run(
+                        tasks, self._hyper_c, self.next_steps, kinds, torch.get_num_threads()
+                    )
+                self.updated += 1
+                self.native_updates += 1
+                return
         hyper = self._hyper
         for sub in self._plan(chunk, copies):
             if sub.convert is not None:
@@ -407,3 +460,86 @@ class ChunkedAdamW:
                 narrow.copy_(wide)  # rounds to nearest even, as a GPU kernel storing bf16
             if sub.pack is not None:
                 sub.pack[0].copy_(sub.pack[1])
+
+    def _native_plan(self, chunk: int, copies):
+        """Chunk ``chunk``'s tasks for the compiled kernel (a ctypes array, built at its
+        first update and kept; empty for a chunk of padding only), or None where the kernel
+        cannot take it: gradients, island stagings or packed parameters in a dtype other
+        than bf16 / fp32, or island gradients the torch path would also copy into the
+        mirror's own gradients."""
+        cached = self._native_plans.get(chunk)
+        if cached is not None and cached[0] is copies:
+            return cached[1]
+        tasks = self._build_native_plan(chunk, copies)
+        self._native_plans[chunk] = (copies, tasks)
+        return tasks
+
+    def _build_native_plan(self, chunk: int, copies):
+        c = self.chunks[chunk]
+        c0 = c.start
+        convert = None if copies is None else copies.convert
+        if convert is not None:
+            grads, origin = convert[1], c0
+        elif self.cpu_grads is not None:
+            grads, origin = self.cpu_grads, 0
+        else:
+            return None
+        if grads.dtype not in native.KINDS:
+            return None
+        islands = []
+        for stage, _, cpu, at in () if copies is None else copies.islands:
+            if stage.dtype not in native.KINDS or (convert is None and cpu is not None):
+                return None
+            islands.append((Span(at, at + stage.numel()), stage))
+        islands.sort(key=lambda i: i[0].start)
+        out = None
+        if copies is not None and copies.pack is not None:
+            dst, src = copies.pack
+            if dst.dtype not in native.KINDS or (
+                src.numel() and src.data_ptr() != self.host_params[c0:].data_ptr()
+            ):
+                return None
+            out = dst
+        width = self._native.build.width
+        tasks, covered = [], []
+        for _, inside in self.subs[chunk]:
+            for k, s in inside:
+                e = self.entries[k]
+                tail = e.local.end - e.local.numel % width  # mirror coordinates
+                # an island's gradients come from its staging, the rest from ``grads``
+                runs, pos = [], s.start
+                for span, stage in islands:
+                    a, b = max(s.start, span.start), min(s.end, span.end)
+                    if a < b:
+                        if pos < a:
+                            runs.append((Span(pos, a), grads, origin))
+                        runs.append((Span(a, b), stage, span.start))
+                        pos = b
+                if pos < s.end:
+                    runs.append((Span(pos, s.end), grads, origin))
+                for run, source, at in runs:
+                    a, b = run.start, run.end
+                    tasks += native.tasks_for(
+                        self.host_params[a:b],
+                        source[a - at : b - at],
+                        self.exp_avg[a:b],
+                        self.exp_avg_sq[a:b],
+                        None if out is None else out[a - c0 : b - c0],
+                        k,
+                        self._family[k],
+                        tail - a,
+                    )
+                covered.append(s)
+        if out is not None:  # the gaps between parameters are packed as the torch path does
+            pos = c.start
+            for s in sorted(covered, key=lambda s: s.start) + [Span(c.end, c.end)]:
+                if pos < s.start:
+                    gap = self.host_params[pos : s.start]
+                    tasks.append(
+                        native.Task(
+                            gap.numel(), 0, gap.data_ptr(), None, None, None,
+                            out[pos - c0 :].data_ptr(), 2, 0, -1, native.KINDS[out.dtype],
+                        )
+                    )  # fmt: skip
+                pos = max(pos, s.end)
+        return (native.Task * len(tasks))(*tasks)  # none: a chunk of padding only

@@ -270,6 +270,18 @@ class MirrorChunked(MirrorPlaced):
     chunk_numel = 40
 
 
+class MirrorChunkedTorch(MirrorChunked):
+    """The chunked step on torch's ops (convert, torch._fused_adamw_, pack per sub-range)."""
+
+    offload_kernel = "torch"
+
+
+class MirrorChunkedNative(MirrorChunked):
+    """The chunked step on the compiled kernel (an error where it is not available)."""
+
+    offload_kernel = "native"
+
+
 class MirrorPlacedOnDevice(MirrorPlaced):
     """Host mirrors converting on the "device" (fp32 both ways), the per-parameter step."""
 
@@ -280,6 +292,14 @@ class MirrorChunkedOnDevice(MirrorChunked):
     """Host mirrors converting on the "device" (fp32 both ways), the chunked step."""
 
     convert_on_device = True
+
+
+class MirrorChunkedOnDeviceTorch(MirrorChunkedOnDevice):
+    offload_kernel = "torch"
+
+
+class MirrorChunkedOnDeviceNative(MirrorChunkedOnDevice):
+    offload_kernel = "native"
 
 
 def make_hdo(cls, groups, fraction, overlap, sources=None, chunk=None, compute=None, gpu_cls=None):

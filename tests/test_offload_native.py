@@ -1,0 +1,323 @@
+"""The offloaded step's compiled kernel (megatron_ext/offload/host_adamw.c) against torch's
+fused AdamW, bit for bit, and what happens where it cannot be used."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from buffers import native as buffers_native
+from buffers.spans import Span
+from megatron_ext.offload import native
+from megatron_ext.offload.step import ChunkedAdamW, Entry, chunk_spans
+
+BF16 = torch.bfloat16
+needs_cc = pytest.mark.skipif(
+    shutil.which("cc") is None, reason="needs a C compiler (cc) to build the kernel"
+)
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """No kernel loaded yet in this process, an empty cache folder of its own."""
+    monkeypatch.setattr(native, "_LOADED", {})
+    monkeypatch.setenv("BUFFERS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("BUFFERS_CPU_KERNEL", raising=False)
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def kernel():
+    k = native.kernel()
+    assert k is not None, native.describe()
+    return k
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _case(gen, sizes, grad_dtype=torch.float32):
+    """Parameters of ``sizes`` with values bf16 cannot hold, over several magnitudes."""
+    out = []
+    for n in sizes:
+        scale = torch.pow(10.0, torch.empty(n).uniform_(-4, 1, generator=gen))
+        p = torch.randn(n, generator=gen)
+        g = (torch.randn(n, generator=gen) * scale).to(grad_dtype)
+        m = torch.randn(n, generator=gen) * scale * 0.3
+        v = torch.rand(n, generator=gen) * scale * scale
+        out.append((p, g, m, v))
+    return out
+
+
+def _torch_step(case, hyper, steps):
+    """torch._fused_adamw_ per parameter (fp32 gradients: bf16 ones widened, exactly)."""
+    lr, b1, b2, wd, eps = hyper
+    result = []
+    for (p, g, m, v), step in zip(case, steps, strict=True):
+        p, m, v = p.clone(), m.clone(), v.clone()
+        torch._fused_adamw_(
+            [p], [g.float()], [m], [v], [], [torch.tensor(float(step))], amsgrad=False,
+            lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps, maximize=False,
+            grad_scale=None, found_inf=None,
+        )  # fmt: skip
+        result.append((p, m, v))
+    return result
+
+
+def _kernel_step(k, case, hyper, steps, threads=1, vectorized=None, task_numel=native.TASK_NUMEL):
+    """The kernel over the same parameters (one task list, every parameter an entry), its
+    new parameters also rounded to bf16 into ``out``."""
+    width = k.build.width
+    got, tasks = [], []
+    for i, (p, g, m, v) in enumerate(case):
+        p, m, v = p.clone(), m.clone(), v.clone()
+        out = torch.empty(p.numel(), dtype=BF16)
+        n = p.numel()
+        tasks += native.tasks_for(p, g, m, v, out, i, 0, n - n % width, task_numel)
+        got.append((p, m, v, out))
+    array = (native.Task * len(tasks))(*tasks)
+    k.run(
+        array,
+        native.hyper_array([hyper]),
+        torch.tensor([float(s) for s in steps]),
+        (2, 2),
+        threads,
+        vectorized=vectorized,
+    )
+    return got
+
+
+HYPERS = {
+    "adamw": (1e-3, 0.9, 0.999, 0.01, 1e-8),
+    "no_decay": (3e-2, 0.9, 0.95, 0.0, 1e-6),
+    "beta1_below_half": (2.5e-1, 0.3, 0.9, 0.5, 1e-3),
+}
+
+
+@needs_cc
+@pytest.mark.parametrize("grad_dtype", [torch.float32, BF16], ids=["fp32_grads", "bf16_grads"])
+@pytest.mark.parametrize("hyper", HYPERS, ids=list(HYPERS))
+def test_the_kernel_equals_torchs_fused_adamw_bit_for_bit(kernel, hyper, grad_dtype):
+    """Parameters, both moments and the bf16-rounded parameters, every element, at odd
+    sizes (each with its own tail), different steps per parameter, one and three threads,
+    the AVX2 path and the portable one."""
+    gen = torch.Generator().manual_seed(7)
+    sizes = [1, 7, 8, 15, 16, 17, 100, 1000, 4099, 70000]
+    case = _case(gen, sizes, grad_dtype)
+    steps = [1, 2, 5, 10, 100, 1000, 3, 4, 7, 20]
+    want = _torch_step(case, HYPERS[hyper], steps)
+    paths = [None] + ([False] if kernel.vectorized else [])
+    for threads, vectorized in itertools.product((1, 3), paths):
+        got = _kernel_step(kernel, case, HYPERS[hyper], steps, threads, vectorized, 256)
+        for (p, m, v, out), (wp, wm, wv) in zip(got, want, strict=True):
+            for a, b in ((p, wp), (m, wm), (v, wv), (out, wp.to(BF16))):
+                assert torch.equal(_bits(a), _bits(b)), (threads, vectorized, p.numel())
+
+
+@needs_cc
+def test_every_other_candidate_arithmetic_differs_from_torchs_somewhere(kernel):
+    """The probe's choice is not one of several that agree by luck: on this data every
+    other (variant, width) changes some element, so a slip in either formula is seen."""
+    gen = torch.Generator().manual_seed(8)
+    case = _case(gen, [16 * 50 + 13, 16 * 7 + 5])
+    hyper, steps = HYPERS["beta1_below_half"], [3, 3]
+    want = _torch_step(case, hyper, steps) + _torch_step(case, HYPERS["adamw"], steps)
+    chosen = kernel.build
+    for width, variant in itertools.product(native.WIDTHS, native.VARIANTS):
+        if (width, variant) == (chosen.width, chosen.variant):
+            continue
+        kernel.build = native.Build(variant, width, chosen.vectorized)
+        try:
+            got = _kernel_step(kernel, case, hyper, steps) + _kernel_step(
+                kernel, case, HYPERS["adamw"], steps
+            )
+        finally:
+            kernel.build = chosen
+        same = all(
+            torch.equal(_bits(a), _bits(b))
+            for (p, m, v, _), w in zip(got, want, strict=True)
+            for a, b in zip((p, m, v), w, strict=True)
+        )
+        assert not same, (width, variant)
+
+
+@needs_cc
+def test_rounding_to_bf16_matches_torch_at_ties_subnormals_and_specials(kernel):
+    """The packed parameters: round to nearest even as torch's conversion, at exact ties,
+    just around them, subnormals, the largest values, infinities; NaN stays NaN."""
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x3F808001, 0x3F817FFF], dtype=torch.int32)
+    special = torch.tensor(
+        [0.0, -0.0, 1e-40, -3e-39, 3.3895e38, -3.4e38, float("inf"), -float("inf"), 1.0],
+        dtype=torch.float32,
+    )
+    gen = torch.Generator().manual_seed(9)
+    values = torch.cat([ties.view(torch.float32), special, torch.randn(1000, generator=gen)])
+    nan = torch.tensor([float("nan")] * 9)
+    params = torch.cat([values, nan])
+    for vectorized in [None] + ([False] if kernel.vectorized else []):
+        out = torch.empty(params.numel(), dtype=BF16)
+        task = native.Task(params.numel(), 0, params.data_ptr(), None, None, None)
+        task.out, task.family, task.out_kind = out.data_ptr(), -1, 0
+        array = (native.Task * 1)(task)
+        kernel.run(array, native.hyper_array([]), torch.zeros(1), (2, 2), 1, None, vectorized)
+        n = values.numel()
+        assert torch.equal(_bits(out[:n]), _bits(values.to(BF16)))
+        assert torch.isnan(out[n:]).all()
+
+
+def _stepper(sizes, chunk, compute, gen, kernel, moments):
+    """A mirror of ``sizes`` parameters (64-element aligned starts, padding between) with
+    two families, stepped by a ChunkedAdamW over fp32 gradients."""
+    starts, pos = [], 0
+    for n in sizes:
+        starts.append(pos)
+        pos += -(-n // 64) * 64 + 64
+    host = torch.randn(pos, generator=gen)
+    grads = torch.zeros(pos)
+    params = [host[s : s + n] for s, n in zip(starts, sizes, strict=True)]
+    groups = [
+        {"params": params[0::2], "weight_decay": 0.1},
+        {"params": params[1::2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    entries = [
+        Entry(p, Span(s, s + p.numel()), opt, i % 2)
+        for i, (p, s) in enumerate(zip(params, starts, strict=True))
+    ]
+    runs = chunk_spans([Span(0, pos)], chunk, [e.local for e in entries])
+    stepper = ChunkedAdamW(
+        host, grads, entries, [r for _, r in runs], compute, moments, kernel=kernel
+    )
+    return host, grads, stepper
+
+
+@needs_cc
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+@pytest.mark.parametrize("chunk,compute", [(10**9, 10**9), (300, 64), (1, 1)])
+def test_chunked_adamw_gives_the_same_bits_with_either_kernel(chunk, compute, moments):
+    """ChunkedAdamW over one mirror, the compiled kernel and torch's ops, five steps with
+    an lr schedule, two families, padding between parameters: parameters, moments and
+    step counters equal bit for bit (bf16 moments rounded the same way)."""
+    dtypes = (BF16, BF16) if moments == "bf16" else (torch.float32, torch.float32)
+    sizes = [700, 64, 1, 333, 17, 4096]
+    runs = {}
+    for kernel in ("native", "torch"):
+        gen = torch.Generator().manual_seed(4)
+        host, grads, stepper = _stepper(sizes, chunk, compute, gen, kernel, dtypes)
+        for t in range(5):
+            grads.copy_(torch.randn(grads.numel(), generator=gen) * 10.0 ** (t - 2))
+            for g in stepper.entries[0].optimizer.param_groups:
+                g["lr"] = 1e-2 * (t + 1)
+            stepper.begin()
+            for c in range(len(stepper.chunks)):
+                stepper.update(c)
+            stepper.finish()
+        assert stepper.uses_native is (kernel == "native")
+        runs[kernel] = (host, stepper.exp_avg, stepper.exp_avg_sq, stepper.steps)
+    for a, b in zip(runs["native"], runs["torch"], strict=True):
+        assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+@needs_cc
+def test_a_probe_that_finds_no_match_falls_back_to_torchs_ops_with_one_warning(fresh, monkeypatch):
+    """If no candidate reproduces torch's kernel here (a torch built otherwise), the
+    chunked step runs on torch's ops, one warning says why; kernel='native' refuses."""
+    chosen = native.probe(native.HostAdamW(native._native.build_library(
+        native.SOURCE, "host_adamw", native.FLAGS, native.LIBS
+    )))  # fmt: skip
+    assert chosen is not None
+    monkeypatch.setattr(
+        native, "VARIANTS", tuple(v for v in native.VARIANTS if v != chosen.variant)
+    )
+    with pytest.warns(native.HostAdamWWarning, match="does not reproduce torch's fused AdamW"):
+        assert native.kernel() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert native.kernel() is None
+    gen = torch.Generator().manual_seed(4)
+    _, grads, stepper = _stepper([100, 33], 64, 64, gen, "auto", (torch.float32,) * 2)
+    grads.normal_(generator=gen)
+    stepper.begin()
+    assert stepper.uses_native is False
+    _, _, refusing = _stepper([100, 33], 64, 64, gen, "native", (torch.float32,) * 2)
+    with pytest.raises(RuntimeError, match="kernel='native'.*not available.*kernel='auto'"):
+        refusing.begin()
+
+
+def test_without_a_compiler_the_chunked_step_runs_on_torchs_ops(fresh, monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.warns(native.HostAdamWWarning, match="no-such-compiler-here.*not on PATH"):
+        assert native.kernel() is None
+    assert "torch's ops" in native.describe()
+    gen = torch.Generator().manual_seed(4)
+    _, grads, stepper = _stepper([100, 33], 64, 64, gen, "auto", (torch.float32,) * 2)
+    grads.normal_(generator=gen)
+    stepper.begin()
+    for c in range(len(stepper.chunks)):
+        stepper.update(c)
+    stepper.finish()
+    assert stepper.uses_native is False and stepper.updated > 0
+
+
+def test_off_builds_nothing_and_warns_nothing(fresh, monkeypatch):
+    monkeypatch.setenv("BUFFERS_CPU_KERNEL", "off")
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.kernel() is None
+    assert "BUFFERS_CPU_KERNEL=off" in native.describe()
+    assert not fresh.exists() or not any(fresh.iterdir())
+
+
+def test_an_unknown_kernel_choice_is_refused():
+    with pytest.raises(ValueError, match="kernel='fast'; expected one of"):
+        ChunkedAdamW(torch.zeros(4), torch.zeros(4), [], [], kernel="fast")
+
+
+@needs_cc
+def test_built_into_the_shared_cache_once(fresh):
+    first = native.kernel()
+    assert first is not None and first.path.parent == fresh
+    names = sorted(p.name for p in fresh.iterdir())
+    assert names == [first.path.name]  # no temporary left, its own name beside the norm's
+    assert first.path.name.startswith("host_adamw-")
+    assert buffers_native.cache_dir() == fresh
+
+
+def _in_forked_child(queue) -> None:
+    torch.set_num_threads(1)  # torch's own OpenMP threads cannot be used after a fork
+    k = native.kernel()
+    gen = torch.Generator().manual_seed(10)
+    case = _case(gen, [5000, 77])
+    want = _torch_step(case, HYPERS["adamw"], [2, 2])
+    got = _kernel_step(k, case, HYPERS["adamw"], [2, 2], threads=3, task_numel=256)
+    queue.put(
+        all(
+            torch.equal(_bits(a), _bits(b))
+            for (p, m, v, _), w in zip(got, want, strict=True)
+            for a, b in zip((p, m, v), w, strict=True)
+        )
+    )
+
+
+@needs_cc
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_runs_the_kernel_with_threads_of_its_own(kernel):
+    """The parent's worker threads do not exist in a child made by fork(): the child
+    starts its own (or works alone) and neither hangs nor computes otherwise."""
+    import multiprocessing as mp
+
+    gen = torch.Generator().manual_seed(10)
+    _kernel_step(kernel, _case(gen, [5000]), HYPERS["adamw"], [1], threads=3, task_numel=256)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_in_forked_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) is True
