@@ -260,31 +260,42 @@ def test_host_mirror_gives_the_cpu_the_island_values(chunk, lean, device, every)
                     _, grad = mirror.cpu_views(span)
                     want = reads[shards[id(shard)]]
                     torch.testing.assert_close(grad.double(), want, rtol=0, atol=0)
-            if chunk is not None:  # what the chunked step's kernel reads, from its scratch
-                seen = _kernel_reads(mirror, mine, runs, copies, compute=max(1, chunk // 2))
-                for shard, span in mine:
-                    s = mirror.layout.local(span)
-                    want = reads[shards[id(shard)]]
-                    torch.testing.assert_close(seen[s.start : s.end], want, rtol=0, atol=0)
+            if chunk is not None:  # what the chunked step reads (scratch, staging, islands)
+                for kernel in ("torch", "native"):
+                    seen = _kernel_reads(mirror, mine, runs, copies, max(1, chunk // 2), kernel)
+                    for shard, span in mine:
+                        s = mirror.layout.local(span)
+                        want = reads[shards[id(shard)]]
+                        torch.testing.assert_close(
+                            seen[s.start : s.end], want, rtol=0, atol=0, msg=kernel
+                        )
     assert islands_seen
     if every == 2:  # an island past the first block
         assert max(blocks_seen) > 1 and max(islands_seen) > 0
 
 
-def _kernel_reads(mirror, mine, runs, copies, compute):
-    """The gradient each mirror element is updated with by ChunkedAdamW.update (through a
-    spy on torch's fused kernel), NaN where none; the staging filled, cpu_grads poisoned."""
+def _kernel_reads(mirror, mine, runs, copies, compute, kernel="torch"):
+    """The gradient each mirror element is updated with by ChunkedAdamW.update, NaN where
+    none; the staging filled, cpu_grads poisoned. ``kernel`` "torch": through a spy on
+    torch's fused kernel; "native": what each of the compiled kernel's tasks points its
+    gradients at, read just before the call."""
+    import ctypes
+
+    from megatron_ext.offload import native
+
     entries = []
     for _, span in mine:
         data, _ = mirror.cpu_views(span)
         opt = torch.optim.AdamW([data], fused=True)
         entries.append(Entry(data, mirror.layout.local(span), opt, 0))
     stepper = ChunkedAdamW(
-        mirror.host_params, mirror.cpu_grads, entries, [r for _, r in runs], compute
-    )
+        mirror.host_params, mirror.cpu_grads, entries, [r for _, r in runs], compute,
+        kernel=kernel,
+    )  # fmt: skip
     seen = torch.full((mirror.layout.numel,), float("nan"), dtype=torch.float64)
     base = mirror.host_params.data_ptr()
     real = torch._fused_adamw_
+    real_run = native.HostAdamW.run
 
     def spy(params, grads, *args, **kwargs):
         for p, g in zip(params, grads, strict=True):
@@ -292,18 +303,31 @@ def _kernel_reads(mirror, mine, runs, copies, compute):
             seen[at : at + p.numel()] = g.double()
         return real(params, grads, *args, **kwargs)
 
+    def spy_run(self, tasks, *args, **kwargs):
+        for t in tasks:
+            if t.family < 0:
+                continue  # padding, only packed
+            dtype, size = {0: (torch.bfloat16, 2), 2: (torch.float32, 4)}[t.grad_kind]
+            raw = (ctypes.c_uint8 * (t.n * size)).from_address(t.grad)
+            at = (t.param - base) // 4
+            seen[at : at + t.n] = torch.frombuffer(raw, dtype=dtype).double()
+        return real_run(self, tasks, *args, **kwargs)
+
     for block in copies:
         block.start_d2h()
     if mirror.cpu_grads is not None and any(b.convert is not None for b in copies):
         mirror.cpu_grads.fill_(float("nan"))  # converted into the scratch, not read here
     stepper.begin()
     torch._fused_adamw_ = spy
+    native.HostAdamW.run = spy_run
     try:
         for i, block in enumerate(copies):
             stepper.update(i, block)
         stepper.finish()
     finally:
         torch._fused_adamw_ = real
+        native.HostAdamW.run = real_run
+    assert stepper.uses_native is (kernel == "native")
     return seen
 
 
