@@ -205,6 +205,7 @@ def print_stats(opt, label):
                 f"D2H {s['d2h_bytes']} B as {s['grads_dtype']}, H2D {s['h2d_bytes']} B "
                 f"as {s['params_dtype']}, host params {s['host_param_bytes']} B, host fp32 "
                 f"grads {s['host_grad_bytes']} B"
+                + (f", chunks updated by {s['kernel']}" if "kernel" in s else "")
             )
 
 
@@ -263,19 +264,27 @@ def test_matches_per_parameter_path_bit_for_bit(case):
             assert not hdo.cpu_copy_map_grad  # no per-parameter pinned gradients
 
 
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
 @pytest.mark.parametrize("convert", ["host", "device"])
 @pytest.mark.parametrize("case", [c for c in CASES if c["fraction"] > 0], ids=case_id)
-def test_chunked_step_matches_per_parameter_path_bit_for_bit(case, convert):
+def test_chunked_step_matches_per_parameter_path_bit_for_bit(case, convert, kernel):
     """offload_step='chunked' (chunks of 1000 elements, sub-ranges of 300) against
     megatron-core's per-parameter path: the same bits, with real streams and pinned copies
     overlapping the host work; the bf16/fp32 conversions on the host, or on the GPU
-    (offload_convert='device': the GPU's conversion kernels round as the host does)."""
+    (offload_convert='device': the GPU's conversion kernels round as the host does); the
+    chunks updated by the compiled kernel where this host builds it and its probe matches
+    torch ("auto"; which one ran is printed) or by torch's ops."""
     ours = build(**case, offload_step="chunked", chunk=1000, compute=300, convert=convert)
+    for hdo in hdos(ours[1]):
+        hdo.offload_kernel = kernel
     ref = build(**{**case, "overlap": False}, host_mirrors=False)
     fix_reference(ref[1])
     assert_lean(ours[1])
     step_both(ours, ref, 0)
     assert_same(ours, ref, "step 0")
+    print_stats(ours[1], f"{case_id(case)} {convert} {kernel}")
+    if kernel == "torch":
+        assert all(s.uses_native is False for h in hdos(ours[1]) for s in h._chunked[0])
     views = cpu_views(ours[1])  # after the first step: the moments exist
     assert all(v[2] for v in views), "the chunked step did not run"
     for step in range(1, STEPS):
