@@ -229,20 +229,28 @@ def owned_state(model, opt) -> dict:
     names = {p: n for n, p in model.module.named_parameters()}
     out = {}
     for child in opt.chained_optimizers:
-        pairs = (
-            (m, s)
-            for models, mains in (
-                (child.model_float16_groups, child.shard_fp32_from_float16_groups),
-                (child.model_fp32_groups, child.shard_fp32_groups),
+        pairs = [
+            (m, s if s is not None else s16)  # precision-aware: the bf16 shard is the key
+            for ms, ss, s16s in zip(
+                child.model_float16_groups,
+                child.shard_fp32_from_float16_groups,
+                child.shard_float16_groups,
+                strict=True,
             )
-            for ms, ss in zip(models, mains, strict=True)
+            for m, s, s16 in zip(ms, ss, s16s, strict=True)
+        ]
+        pairs += [
+            (m, s)
+            for ms, ss in zip(child.model_fp32_groups, child.shard_fp32_groups, strict=True)
             for m, s in zip(ms, ss, strict=True)
-        )
+        ]
         for model_param, main in pairs:
             r = child._get_model_param_range_map(model_param)["param"]
             state = child.optimizer.state[main]
             entry = {k: v.detach().clone() for k, v in state.items() if torch.is_tensor(v)}
-            entry["param"] = main.detach().clone()
+            # the fp32 main value: the main parameter, or the precision-aware optimizer's
+            # master copy in its state
+            entry["param"] = state.get("master_param", main).detach().clone()
             out[names[model_param], r.start, r.end] = entry
     return out
 

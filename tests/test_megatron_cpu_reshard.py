@@ -46,9 +46,29 @@ SAVED_AT, STEPS = 2, 4  # save after two steps, continue to four
 FORMATS = ("fully_reshardable", "dp_reshardable")
 
 
+def path_options(path: str) -> dict:
+    """``build``'s arguments for an Adam path of ``LOADS``: ``+experts`` (``w2`` an expert
+    weight); ``+offload<f>`` (megatron-core's CPU offload at fraction f with the
+    precision-aware optimizer, through host mirrors); ``+chunked`` (the chunked offload
+    step)."""
+    import megatron_ext
+
+    out: dict = {"experts": "+experts" in path}
+    for part in path.split("+")[1:]:
+        if part.startswith("offload"):
+            out.update(
+                optimizer_cpu_offload=True,
+                optimizer_offload_fraction=float(part.removeprefix("offload")),
+                use_precision_aware_optimizer=True,
+            )
+    if "+chunked" in path:
+        out["options"] = megatron_ext.MegatronOptions(offload_step="chunked")
+    return out
+
+
 def build(option: bool, *, seed: int = 11, fp16: bool = False, extra: str | None = None,
           rename: dict[str, str] | None = None, islands: tuple[str, ...] | None = None,
-          experts: bool = False, **optimizer):  # fmt: skip
+          experts: bool = False, options=None, **optimizer):  # fmt: skip
     """DDP and the distributed optimizer (Adam, clipped), ``sink`` in a group of its own.
 
     ``extra``: one more parameter of that name, bf16 marked ``keep_in_fp32`` (an fp32
@@ -101,7 +121,7 @@ def build(option: bool, *, seed: int = 11, fp16: bool = False, extra: str | None
     )  # fmt: skip
     overrides = get_standard_config_overrides(ocfg)
     overrides[ParamKey(name="*sink")] = {"max_lr": LR}
-    return model, megatron_ext.get_megatron_optimizer(ocfg, [model], overrides)
+    return model, megatron_ext.get_megatron_optimizer(ocfg, [model], overrides, options=options)
 
 
 def train_steps(model, opt, rank: int, world: int, steps) -> list[float]:
@@ -142,6 +162,12 @@ def snapshot(model, opt) -> dict:
         expert_mains=sum(len(g["params"]) for g in chain[1].optimizer.param_groups)
         if len(chain) > 1
         else 0,
+        # CPU offload: the inner optimizers' types, the host mirrors and CPU parameters
+        # they hold, and whether the chunked step was built (None: not offloaded)
+        inner=[type(c.optimizer).__name__ for c in chain],
+        host_mirrors=sum(len(getattr(c.optimizer, "host_mirrors", ())) for c in chain),
+        cpu_params=sum(len(getattr(c.optimizer, "cpu_copys_map_gpu_param", ())) for c in chain),
+        chunked=[getattr(c.optimizer, "_chunked", None) is not None for c in chain],
     )
 
 
@@ -184,6 +210,20 @@ def adam_path(path: str) -> Iterator[None]:
             from tests.gpu.apex_standin import use_apex_path
 
             use_apex_path(patch)
+        if "+offload" in path:
+            # megatron-core offloads only parameters on a CUDA device: here every parameter
+            # is on the CPU, so its placement is replayed as if they were on the device
+            from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import (
+                HybridDeviceOptimizer,
+            )
+
+            from tests.support.offload_sim import placement
+
+            patch.setattr(
+                HybridDeviceOptimizer,
+                "_get_sub_optimizer_param_groups",
+                lambda self, fraction: placement(self.param_groups, fraction),
+            )
         yield
 
 
@@ -205,7 +245,7 @@ def reshard_job(rank, world, log, out_dir, plan):
     out = {}
     for option, fmt, path in plan["save"]:
         with adam_path(path):
-            model, opt = build(option, experts=path.endswith("+experts"))
+            model, opt = build(option, **path_options(path))
             norms = train_steps(model, opt, rank, world, range(SAVED_AT))
             at_save = snapshot(model, opt)
             try:
@@ -218,7 +258,7 @@ def reshard_job(rank, world, log, out_dir, plan):
                                              norms=norms, save_error=saved)  # fmt: skip
     for option, fmt, path in plan.get("probe", []):
         with adam_path(path):
-            model, opt = build(option, experts=path.endswith("+experts"))
+            model, opt = build(option, **path_options(path))
             train_steps(model, opt, rank, world, range(SAVED_AT))  # a state to save
             try:  # local: no collective, so a rank that fails here leaves no peer waiting
                 _sharded(model, opt, fmt, loading=False)
@@ -228,7 +268,7 @@ def reshard_job(rank, world, log, out_dir, plan):
     for saved_world, saved_option, option, fmt, path in plan["load"]:
         key = "load", saved_world, saved_option, option, fmt, path
         with adam_path(path):
-            model, opt = build(option, seed=12, experts=path.endswith("+experts"))
+            model, opt = build(option, seed=12, **path_options(path))
             try:
                 load(model, opt, ckpt(out_dir, saved_world, saved_option, fmt, path), fmt)
             except Exception as e:  # noqa: BLE001 - what megatron-core does is the result
@@ -259,6 +299,16 @@ LOADS = [
     (2, ON, ON, FULL, "torch+experts", 4),
     (4, ON, ON, FULL, "torch+experts", 2),
     (2, OFF, ON, FULL, "apex+experts", 4),
+    # CPU offload through host mirrors, precision-aware (the GPU-resident part, at 0.5, on
+    # torch's AdamW here), the per-parameter and the chunked step
+    (2, ON, ON, FULL, "torch+offload1.0", 1),
+    (2, ON, ON, FULL, "torch+offload0.5", 1),
+    (2, ON, ON, DP, "torch+offload0.5", 1),
+    (1, ON, ON, FULL, "torch+offload0.5", 2),
+    (2, ON, ON, FULL, "torch+offload0.5", 4),
+    (4, ON, ON, FULL, "torch+offload1.0", 2),
+    (2, ON, ON, FULL, "torch+offload0.5+chunked", 1),
+    (1, ON, ON, FULL, "torch+offload1.0+chunked", 2),
 ]
 # stock megatron-core cannot load these; what it does instead is asserted below
 STOCK_TORCH_LOAD = (2, ON, OFF, FULL, "torch", 1)
@@ -359,7 +409,10 @@ def test_resharded_load_continues_like_the_uninterrupted_run(reshard_runs, case)
     new size (same data, same initial values, the loading side's option and Adam) within
     ``TOLERANCE``: parameters, Adam state and norms. ``+experts``: ``w2`` is an expert
     weight (``allreduce=False``), so megatron-core builds expert DDP buffers and a second
-    distributed optimizer (the chain of a MoE model, expert-parallel size 1)."""
+    distributed optimizer (the chain of a MoE model, expert-parallel size 1).
+    ``+offload<f>``: megatron-core's CPU offload at fraction f with the precision-aware
+    optimizer, through host mirrors (the Adam state then holds the fp32 ``master_param``
+    too); ``+chunked``: stepped by the chunked step."""
     saved_world, saved_option, option, fmt, path, world = case
     runs = reshard_runs[("load",) + case]
     assert len(runs) == world
@@ -383,6 +436,12 @@ def test_resharded_load_continues_like_the_uninterrupted_run(reshard_runs, case)
             (2, 1) if experts else (1, 0)
         )
     assert any(r["loaded"]["expert_mains"] for r in runs) == experts
+    offloaded = "+offload" in path  # then host mirrors hold the CPU parameters
+    for r in runs:
+        assert (r["end"]["inner"] == ["HostMirrorHybridOptimizer"]) == offloaded, r["end"]
+        assert (r["end"]["chunked"] == [True]) == ("+chunked" in path)
+    if offloaded:  # on the ranks that own offloaded elements (at DP=4 not every rank does)
+        assert any(r["end"]["host_mirrors"] and r["end"]["cpu_params"] for r in runs)
     if world == 2:  # sink's group: on rank 0 only
         assert [c for c, _ in runs[1]["loaded"]["groups"]].count(0) == 1
     if world > 1:  # a group empty on some rank, holding the saved step all the same

@@ -169,6 +169,13 @@ class _CudaToCpu(TorchFunctionMode):
             )
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        # pinned host memory needs a CUDA driver; on the CPU it is plain host memory
+        if func is torch.Tensor.pin_memory:
+            self.log.entries.append(("pin", tuple(args[0].shape), args[0].dtype))
+            return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+            self.log.entries.append(("pin", None, kwargs.get("dtype")))
         if func is torch.Tensor.to:
             args = tuple("cpu" if i > 0 and _is_cuda(a) else a for i, a in enumerate(args))
         return func(*args, **kwargs)
