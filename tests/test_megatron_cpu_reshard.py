@@ -309,6 +309,12 @@ LOADS = [
     (4, ON, ON, FULL, "torch+offload1.0", 2),
     (2, ON, ON, FULL, "torch+offload0.5+chunked", 1),
     (1, ON, ON, FULL, "torch+offload1.0+chunked", 2),
+    # the GPU-resident part on the Apex path's FusedAdam, which counts steps per param group
+    # (as transformer-engine's does): groups empty on some ranks at every DP size
+    (2, ON, ON, FULL, "apex+offload0.5", 1),
+    (1, ON, ON, FULL, "apex+offload0.5", 2),
+    (2, ON, ON, FULL, "apex+offload0.5", 4),
+    (4, ON, ON, FULL, "apex+offload0.5+chunked", 2),
 ]
 # stock megatron-core cannot load these; what it does instead is asserted below
 STOCK_TORCH_LOAD = (2, ON, OFF, FULL, "torch", 1)
@@ -460,7 +466,7 @@ def test_resharded_load_continues_like_the_uninterrupted_run(reshard_runs, case)
         ended = [(c, s) for c, s in r["end"]["groups"]]
         want_end = [(c, s) for c, s in u["end"]["groups"]]
         assert [c for c, _ in ended] == [c for c, _ in want_end]
-        if path.startswith("apex"):  # one step per group, counted on
+        if path.startswith("apex") and "+offload" not in path:  # one step per group
             assert [s for c, s in ended if c] == [STEPS] * sum(1 for c, _ in ended if c)
     for key, v in full_state([r["end"] for r in runs]).items():
         if "step" in v:
@@ -505,3 +511,58 @@ def test_stock_cannot_load_fp32_beside_bf16_at_one_rank(reshard_runs):
     (r,) = reshard_runs[("load",) + STOCK_DP1_LOAD]
     assert r.get("error", "").startswith("RuntimeError: The size of tensor a"), r
     assert r["where"].startswith("distrib_optimizer.py"), r
+
+
+def fraction_change_job(rank, world, log, out_dir, hops):
+    """A run through ``hops`` ((Adam path, steps) each): the first hop trains from the
+    initial values, every later one is a fresh model built from other values that loads
+    the previous hop's checkpoint (saved after its steps) and continues; then the
+    uninterrupted run with the last hop's path over all the steps."""
+    done, groups, resumed = 0, [], None
+    for k, (path, steps) in enumerate(hops):
+        with adam_path(path):
+            model, opt = build(True, seed=11 if k == 0 else 12, **path_options(path))
+            if k:
+                load(model, opt, os.path.join(out_dir, f"ckpt-hop{k - 1}"), FULL)
+                groups.append(group_steps(opt))  # as loaded
+            norms = train_steps(model, opt, rank, world, range(done, done + steps))
+            done += steps
+            if k < len(hops) - 1:
+                save(model, opt, os.path.join(out_dir, f"ckpt-hop{k}"), FULL)
+            resumed = dict(end=snapshot(model, opt), norms=norms)
+    with adam_path(hops[-1][0]):
+        model, opt = build(True, **path_options(hops[-1][0]))
+        norms = train_steps(model, opt, rank, world, range(done))
+        plain = dict(end=snapshot(model, opt), norms=norms)
+    return dict(groups=groups, resumed=resumed, plain=plain, steps=done)
+
+
+@pytest.mark.parametrize(
+    "hops",
+    [
+        (("apex+offload0.5", 2), ("apex+offload0.0", 2)),
+        (("apex+offload0.0", 2), ("apex+offload0.5", 2), ("apex+offload0.0", 2)),
+    ],
+    ids=["host-then-gpu", "gpu-host-gpu"],
+)
+def test_a_group_on_the_host_at_a_save_steps_right_on_the_gpu_after_a_load(tmp_path, hops):
+    """Offload fraction 0.5 puts the weight-decay group (``w1``, ``w2``) wholly on the
+    host, where torch's AdamW counts steps per parameter (that group's own ``step`` in the
+    offload optimizer is then not advanced); at fraction 0 that group steps on the GPU with
+    a FusedAdam that counts per group (the Apex path's stand-in, as transformer-engine's),
+    starting from the group's loaded ``step``. Every load gives every group the step count
+    (megatron-core's checkpoint writes the host AdamW's per-parameter count into every
+    saved group), and the last hop's continuation equals the uninterrupted fraction-0 run
+    within ``TOLERANCE`` (the host's and the GPU's Adam round differently)."""
+    (r,) = run_ranks(tmp_path, 1, fraction_change_job, hops)
+    done = 0
+    for (_, steps), groups in zip(hops[:-1], r["groups"], strict=True):
+        done += steps
+        assert [s for c, s in groups if c] == [done] * 3, r["groups"]
+    last = r["resumed"]["end"]
+    assert last["inner"] == ["HostMirrorHybridOptimizer"] and last["cpu_params"] == 0
+    assert_close_normwise(
+        full_state([last]), full_state([r["plain"]["end"]]), "after the last load"
+    )
+    n = hops[-1][1]
+    assert r["resumed"]["norms"] == pytest.approx(r["plain"]["norms"][-n:], rel=TOLERANCE)
