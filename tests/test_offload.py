@@ -1052,3 +1052,39 @@ def test_chunked_adamw_equals_torch_fused_adamw_per_parameter_in_fp64_terms():
     assert torch.equal(
         host[untouched], torch.randn(n, generator=torch.Generator().manual_seed(0))[untouched]
     )
+
+
+def test_offload_checkpoints_load_with_the_weights_only_unpickler(tmp_path):
+    """megatron-core's offload optimizer keeps its optimizer classes in every param group;
+    megatron-core 0.18 loads the common checkpoint state with torch's weights-only
+    unpickler, which refuses them until they are allowed. In a fresh process (torch's safe
+    globals are per process): refused before, loaded after."""
+    import subprocess
+    import sys
+
+    script = f"""
+import types, torch
+from megatron_ext.offload.hybrid import allow_optimizer_classes_in_checkpoints
+path = {str(tmp_path / "common.pt")!r}
+torch.save({{"param_groups": [{{"lr": 0.1, "cpu_optimizer_cls": torch.optim.AdamW,
+                                "gpu_optimizer_cls": torch.optim.Adam}}]}}, path)
+try:
+    torch.load(path)
+    print("loaded before")
+except Exception as e:
+    print("refused before:", type(e).__name__)
+hdo = types.SimpleNamespace(cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.Adam)
+print("allowed", [c.__name__ for c in allow_optimizer_classes_in_checkpoints(hdo)])
+got = torch.load(path)["param_groups"][0]
+print("loaded after", got["cpu_optimizer_cls"] is torch.optim.AdamW, got["lr"])
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines == [
+        "refused before: UnpicklingError",
+        "allowed ['AdamW', 'Adam']",
+        "loaded after True 0.1",
+    ], done.stdout
