@@ -182,8 +182,9 @@ def full_state(model, opt) -> dict[str, dict[str, torch.Tensor]]:
     return test_megatron_cpu_tp.full_state(model, opt)
 
 
-def ckpt(out_dir: str, shape: tuple[int, int], fmt: str) -> str:
-    return os.path.join(out_dir, f"ckpt-pp{shape[0]}-dp{shape[1]}-{fmt}")
+def ckpt(out_dir: str, shape: tuple[int, int], fmt: str, option: bool = True) -> str:
+    tag = "on" if option else "off"
+    return os.path.join(out_dir, f"ckpt-pp{shape[0]}-dp{shape[1]}-{fmt}-{tag}")
 
 
 def pp_job(rank, world, log, out_dir, plan):
@@ -201,33 +202,41 @@ def pp_job(rank, world, log, out_dir, plan):
         model, opt, stage = build(option, pp)
         norms, refs = train(model, opt, stage, range(SAVED_AT))
         at_save = full_state(model, opt)
-        if option:
-            for fmt in plan["save"]:
-                reshard.save(model, opt, ckpt(out_dir, shape, fmt), fmt)
+        for fmt in plan["save"] if option else plan.get("save_off", []):
+            reshard.save(model, opt, ckpt(out_dir, shape, fmt, option), fmt)
         more = train(model, opt, stage, range(SAVED_AT, STEPS))
         out["run", option] = dict(norms=norms + more[0], refs=refs + more[1], at_save=at_save,
                                   end=full_state(model, opt))  # fmt: skip
-    for saved, fmt in plan["load"]:
+    for saved, fmt, *off in plan["load"]:  # ("off",): saved with the option off
         model, opt, stage = build(True, pp, seed=12)
         try:
-            reshard.load(model, opt, ckpt(out_dir, saved, fmt), fmt)
+            reshard.load(model, opt, ckpt(out_dir, saved, fmt, not off), fmt)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - the result
-            out["load", saved, fmt] = dict(error=f"{type(e).__name__}: {str(e)[-1500:]}")
+            out["load", saved, fmt, *off] = dict(error=f"{type(e).__name__}: {str(e)[-1500:]}")
             continue
         state = full_state(model, opt)
         norms, refs = train(model, opt, stage, range(SAVED_AT, STEPS))
-        out["load", saved, fmt] = dict(loaded=state, end=full_state(model, opt), norms=norms,
-                                       refs=refs)  # fmt: skip
+        out["load", saved, fmt, *off] = dict(loaded=state, end=full_state(model, opt),
+                                             norms=norms, refs=refs)  # fmt: skip
     return out
 
 
-# (world, plan); shapes are (PP, DP). PP=2 saves in both formats; PP=1 runs, saves, and
-# loads both of PP=2's; PP=2 then loads PP=1's. PP and DP together: PP=2 x DP=2 (four
+# (world, plan); shapes are (PP, DP). PP=2 saves in both formats (and with the option off);
+# PP=1 runs, saves, and loads PP=2's (the option-off one with the option on); PP=2 then
+# loads PP=1's. PP and DP together: PP=2 x DP=2 (four
 # ranks) saves; PP=1 x DP=2 runs and loads it. Every data-parallel rank trains on the same
 # batch, so the data-parallel mean is the same gradient at every DP size.
 PLANS = [
-    (2, dict(pp=2, run=[True, False], save=[FULL, DP], load=[])),
-    (1, dict(pp=1, run=[True, False], save=[FULL], load=[((2, 1), FULL), ((2, 1), DP)])),
+    (2, dict(pp=2, run=[True, False], save=[FULL, DP], save_off=[FULL], load=[])),
+    (
+        1,
+        dict(
+            pp=1,
+            run=[True, False],
+            save=[FULL],
+            load=[((2, 1), FULL), ((2, 1), DP), ((2, 1), FULL, "off")],
+        ),
+    ),  # fmt: skip
     (2, dict(pp=2, run=[], save=[], load=[((1, 1), FULL)])),
     (4, dict(pp=2, run=[True], save=[FULL], load=[])),
     (2, dict(pp=1, run=[True], save=[], load=[((2, 2), FULL)])),
@@ -331,3 +340,17 @@ def test_dp_reshardable_does_not_reshard_pp(pp_runs):
     (r,) = pp_runs["load", (2, 1), DP, (1, 1)]
     assert r.get("error", "").startswith("CheckpointException"), r
     assert "Global shape mismatch" in r["error"], r
+
+
+def test_a_pp2_checkpoint_saved_without_the_option_loads_at_pp1_with_it(pp_runs):
+    """Saved by stock megatron-core at PP=2 (``alpha`` natively fp32 there), loaded at
+    PP=1 with the option (``alpha`` an fp32 island, its model value fp32 too): the same
+    full state bit for bit, model values included, and the continuation equals the
+    uninterrupted run with the option at PP=1 within ``TOLERANCE``."""
+    saver = merged(pp_runs["run", False, (2, 1)], "at_save")
+    (r,) = pp_runs["load", (2, 1), FULL, "off", (1, 1)]
+    assert "error" not in r, r
+    reshard.assert_same(r["loaded"], saver, "loaded")
+    reference = pp_runs["run", True, (1, 1)][0]
+    reshard.assert_close_normwise(r["end"], reference["end"], "continued")
+    assert r["norms"] == pytest.approx(reference["norms"][SAVED_AT:], rel=TOLERANCE)
