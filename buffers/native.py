@@ -155,32 +155,49 @@ class CpuSums:
         return pieces, out, fn
 
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()
 _LOADED: dict[str, object] = {}  # "kernel": CpuSums | None, "reason": str
+
+
+def load_once(
+    loaded: dict[str, object],
+    make: Callable[[], object],
+    errors: tuple[type[BaseException], ...],
+    message: Callable[[str], str],
+    category: type[Warning],
+) -> object | None:
+    """A compiled kernel, made on the first call of the process and kept in ``loaded``
+    (``"kernel"``, and ``"reason"`` when there is none); None when ``BUFFERS_CPU_KERNEL``
+    is off (nothing built, no warning) or ``make`` raised one of ``errors``: then one
+    warning of ``category``, ``message(reason)``, and the same None on every later call."""
+    if choice() == "off":
+        return None
+    with _LOCK:
+        if "kernel" not in loaded:
+            try:
+                loaded["kernel"] = make()
+            except errors as e:
+                loaded["kernel"], loaded["reason"] = None, str(e)
+                warnings.warn(message(str(e)), category, stacklevel=4)
+        return loaded["kernel"]
 
 
 def kernel() -> CpuSums | None:
     """The kernel, built and loaded on the first call of the process; None when it is off
     (``BUFFERS_CPU_KERNEL=off``) or could not be built (one :class:`NativeKernelWarning`
     says why)."""
-    if choice() == "off":
-        return None
-    with _LOCK:
-        if "kernel" not in _LOADED:
-            try:
-                _LOADED["kernel"] = CpuSums(_build())
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                _LOADED["kernel"] = None
-                _LOADED["reason"] = str(e)
-                warnings.warn(
-                    f"buffers: the CPU norm's compiled kernel is not available ({e}); norms "
-                    "of CPU tensors use torch's ops, about 2x slower at one thread. Install "
-                    "a C compiler (cc, or set CC), or set BUFFERS_CPU_KERNEL=off to use "
-                    "torch's ops without this warning",
-                    NativeKernelWarning,
-                    stacklevel=3,
-                )
-        return _LOADED["kernel"]  # type: ignore[return-value]
+    return load_once(  # type: ignore[return-value]
+        _LOADED,
+        lambda: CpuSums(_build()),
+        (OSError, RuntimeError, subprocess.SubprocessError),
+        lambda reason: (
+            f"buffers: the CPU norm's compiled kernel is not available ({reason}); norms "
+            "of CPU tensors use torch's ops, about 2x slower at one thread. Install "
+            "a C compiler (cc, or set CC), or set BUFFERS_CPU_KERNEL=off to use "
+            "torch's ops without this warning"
+        ),
+        NativeKernelWarning,
+    )
 
 
 def describe() -> str:

@@ -16,3 +16,18 @@ DEVICES = [
 @pytest.fixture(params=DEVICES)
 def device(request) -> torch.device:
     return torch.device(request.param)
+
+
+@pytest.fixture
+def fresh_native(monkeypatch, tmp_path):
+    """No compiled kernel loaded yet in this process (the CPU norm's, ``buffers.native``,
+    and the offloaded step's, ``megatron_ext.offload.native``), an empty cache folder of
+    its own, ``BUFFERS_CPU_KERNEL`` unset. Returns the cache folder."""
+    from buffers import native
+    from megatron_ext.offload import native as offload_native
+
+    monkeypatch.setattr(native, "_LOADED", {})
+    monkeypatch.setattr(offload_native, "_LOADED", {})
+    monkeypatch.setenv("BUFFERS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("BUFFERS_CPU_KERNEL", raising=False)
+    return tmp_path / "cache"

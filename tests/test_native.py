@@ -20,15 +20,6 @@ needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler: the kernel cann
 
 
 @pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """A process state with no kernel loaded yet and an empty cache folder of its own."""
-    monkeypatch.setattr(native, "_LOADED", {})
-    monkeypatch.setenv("BUFFERS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("BUFFERS_CPU_KERNEL", raising=False)
-    return tmp_path / "cache"
-
-
-@pytest.fixture
 def kernel():
     k = native.kernel()
     assert k is not None, native.describe()
@@ -159,7 +150,7 @@ def spy_kernel(monkeypatch):
 
 @needs_cc
 @pytest.mark.parametrize("p", [1.0, 2.0, 3.0, 0.5])
-def test_norms_use_the_kernel_for_p_1_and_2_only_and_match_fp64(monkeypatch, fresh, p):
+def test_norms_use_the_kernel_for_p_1_and_2_only_and_match_fp64(monkeypatch, fresh_native, p):
     calls = spy_kernel(monkeypatch)
     gen = torch.Generator().manual_seed(31)
     params = [
@@ -193,10 +184,10 @@ def test_non_contiguous_and_fp64_views_take_torchs_ops(monkeypatch, kernel):
 
 
 @needs_cc
-def test_built_once_then_loaded_from_the_cache_without_a_compiler(fresh, monkeypatch):
+def test_built_once_then_loaded_from_the_cache_without_a_compiler(fresh_native, monkeypatch):
     first = native.kernel()
-    assert first is not None and first.path.parent == fresh
-    assert [p.name for p in fresh.iterdir()] == [first.path.name]  # no temporary left
+    assert first is not None and first.path.parent == fresh_native
+    assert [p.name for p in fresh_native.iterdir()] == [first.path.name]  # no temporary left
     monkeypatch.setattr(native, "_LOADED", {})
     monkeypatch.setenv("CC", "cc")  # the same name as before: the same cache entry...
     monkeypatch.setenv("PATH", "")  # ...while no compiler can be found
@@ -212,7 +203,7 @@ def built_norm_is_right():
     return fb.grad_norm().item() == pytest.approx(q.grad.double().norm().item(), rel=1e-6)
 
 
-def test_without_a_compiler_one_warning_and_torchs_ops(fresh, monkeypatch):
+def test_without_a_compiler_one_warning_and_torchs_ops(fresh_native, monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler-here")
     with pytest.warns(native.NativeKernelWarning, match="no-such-compiler-here.*not on PATH"):
         assert native.kernel() is None
@@ -221,35 +212,35 @@ def test_without_a_compiler_one_warning_and_torchs_ops(fresh, monkeypatch):
         assert native.kernel() is None
         assert built_norm_is_right()
     assert "no compiled kernel" in native.describe()
-    assert not fresh.exists() or not any(fresh.iterdir())
+    assert not fresh_native.exists() or not any(fresh_native.iterdir())
 
 
-def test_a_failing_compiler_is_named_with_its_exit_code(fresh, monkeypatch):
+def test_a_failing_compiler_is_named_with_its_exit_code(fresh_native, monkeypatch):
     monkeypatch.setenv("CC", "false")
     with pytest.warns(native.NativeKernelWarning, match="false failed with exit code 1"):
         assert native.kernel() is None
-    assert not fresh.exists() or not any(fresh.iterdir())  # no partial file left
+    assert not fresh_native.exists() or not any(fresh_native.iterdir())  # no partial file left
 
 
-def test_off_builds_nothing_and_warns_nothing(fresh, monkeypatch):
+def test_off_builds_nothing_and_warns_nothing(fresh_native, monkeypatch):
     monkeypatch.setenv("BUFFERS_CPU_KERNEL", "off")
     monkeypatch.setenv("CC", "no-such-compiler-here")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert native.kernel() is None
         assert built_norm_is_right()
-    assert not fresh.exists()
+    assert not fresh_native.exists()
     assert native.describe() == "torch's ops (BUFFERS_CPU_KERNEL=off)"
 
 
-def test_an_unknown_setting_is_refused_by_name(fresh, monkeypatch):
+def test_an_unknown_setting_is_refused_by_name(fresh_native, monkeypatch):
     monkeypatch.setenv("BUFFERS_CPU_KERNEL", "fast")
     with pytest.raises(ValueError, match=r"BUFFERS_CPU_KERNEL='fast'; expected one of"):
         native.kernel()
 
 
 @needs_cc
-def test_an_unusable_cache_folder_builds_in_a_temporary_one(fresh, monkeypatch, tmp_path):
+def test_an_unusable_cache_folder_builds_in_a_temporary_one(fresh_native, monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("BUFFERS_CACHE_DIR", str(blocker / "cache"))  # cannot be created

@@ -22,15 +22,6 @@ needs_cc = pytest.mark.skipif(
 
 
 @pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """No kernel loaded yet in this process, an empty cache folder of its own."""
-    monkeypatch.setattr(native, "_LOADED", {})
-    monkeypatch.setenv("BUFFERS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("BUFFERS_CPU_KERNEL", raising=False)
-    return tmp_path / "cache"
-
-
-@pytest.fixture
 def kernel():
     k = native.kernel()
     assert k is not None, native.describe()
@@ -161,9 +152,7 @@ def test_rounding_to_bf16_matches_torch_at_ties_subnormals_and_specials(kernel):
     params = torch.cat([values, nan])
     for vectorized in [None] + ([False] if kernel.vectorized else []):
         out = torch.empty(params.numel(), dtype=BF16)
-        task = native.Task(params.numel(), 0, params.data_ptr(), None, None, None)
-        task.out, task.family, task.out_kind = out.data_ptr(), -1, 0
-        array = (native.Task * 1)(task)
+        array = (native.Task * 1)(native.pack_task(params, out))
         kernel.run(array, native.hyper_array([]), torch.zeros(1), (2, 2), 1, None, vectorized)
         n = values.numel()
         assert torch.equal(_bits(out[:n]), _bits(values.to(BF16)))
@@ -224,7 +213,9 @@ def test_chunked_adamw_gives_the_same_bits_with_either_kernel(chunk, compute, mo
 
 
 @needs_cc
-def test_a_probe_that_finds_no_match_falls_back_to_torchs_ops_with_one_warning(fresh, monkeypatch):
+def test_a_probe_that_finds_no_match_falls_back_to_torchs_ops_with_one_warning(
+    fresh_native, monkeypatch
+):
     """If no candidate reproduces torch's kernel here (a torch built otherwise), the
     chunked step runs on torch's ops, one warning says why; kernel='native' refuses."""
     chosen = native.probe(native.HostAdamW(native._native.build_library(
@@ -249,7 +240,7 @@ def test_a_probe_that_finds_no_match_falls_back_to_torchs_ops_with_one_warning(f
         refusing.begin()
 
 
-def test_without_a_compiler_the_chunked_step_runs_on_torchs_ops(fresh, monkeypatch):
+def test_without_a_compiler_the_chunked_step_runs_on_torchs_ops(fresh_native, monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler-here")
     with pytest.warns(native.HostAdamWWarning, match="no-such-compiler-here.*not on PATH"):
         assert native.kernel() is None
@@ -264,14 +255,14 @@ def test_without_a_compiler_the_chunked_step_runs_on_torchs_ops(fresh, monkeypat
     assert stepper.uses_native is False and stepper.updated > 0
 
 
-def test_off_builds_nothing_and_warns_nothing(fresh, monkeypatch):
+def test_off_builds_nothing_and_warns_nothing(fresh_native, monkeypatch):
     monkeypatch.setenv("BUFFERS_CPU_KERNEL", "off")
     monkeypatch.setenv("CC", "no-such-compiler-here")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert native.kernel() is None
     assert "BUFFERS_CPU_KERNEL=off" in native.describe()
-    assert not fresh.exists() or not any(fresh.iterdir())
+    assert not fresh_native.exists() or not any(fresh_native.iterdir())
 
 
 def test_an_unknown_kernel_choice_is_refused():
@@ -280,13 +271,13 @@ def test_an_unknown_kernel_choice_is_refused():
 
 
 @needs_cc
-def test_built_into_the_shared_cache_once(fresh):
+def test_built_into_the_shared_cache_once(fresh_native):
     first = native.kernel()
-    assert first is not None and first.path.parent == fresh
-    names = sorted(p.name for p in fresh.iterdir())
+    assert first is not None and first.path.parent == fresh_native
+    names = sorted(p.name for p in fresh_native.iterdir())
     assert names == [first.path.name]  # no temporary left, its own name beside the norm's
     assert first.path.name.startswith("host_adamw-")
-    assert buffers_native.cache_dir() == fresh
+    assert buffers_native.cache_dir() == fresh_native
 
 
 def _in_forked_child(queue) -> None:

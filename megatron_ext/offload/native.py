@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,6 +174,15 @@ def tasks_for(
     return result
 
 
+def pack_task(param: torch.Tensor, out: torch.Tensor) -> Task:
+    """A task that only writes ``param`` (fp32) into ``out`` (bf16 rounded to nearest
+    even, or fp32), updating nothing: a gap between parameters."""
+    return Task(
+        param.numel(), 0, param.data_ptr(), None, None, None, out.data_ptr(),
+        KINDS[torch.float32], 0, -1, KINDS[out.dtype],
+    )  # fmt: skip
+
+
 def hyper_array(hypers) -> ctypes.Array:
     """5 doubles per family: (lr, beta1, beta2, weight_decay, eps)."""
     flat = [float(x) for h in hypers for x in h]
@@ -227,41 +235,33 @@ def _matches(kernel, case, width, variant, vectorized) -> bool:
     ) and torch.equal(out.view(torch.int16), want[0].to(torch.bfloat16).view(torch.int16))
 
 
-_LOCK = threading.Lock()
 _LOADED: dict[str, object] = {}  # "kernel": HostAdamW | None, "reason": str
+
+
+def _load() -> HostAdamW:
+    k = HostAdamW(_native.build_library(SOURCE, "host_adamw", FLAGS, LIBS))
+    k.build = probe(k)
+    if k.build is None:
+        raise RuntimeError("its arithmetic does not reproduce torch's fused AdamW here bit for bit")
+    return k
 
 
 def kernel() -> HostAdamW | None:
     """The kernel, built, loaded and probed on the first call of the process; None when
     it is off (``BUFFERS_CPU_KERNEL=off``), could not be built, or computes otherwise than
     torch here (one :class:`HostAdamWWarning` says why)."""
-    if _native.choice() == "off":
-        return None
-    with _LOCK:
-        if "kernel" not in _LOADED:
-            loaded, reason = None, None
-            try:
-                k = HostAdamW(_native.build_library(SOURCE, "host_adamw", FLAGS, LIBS))
-                k.build = probe(k)
-                if k.build is None:
-                    reason = (
-                        "its arithmetic does not reproduce torch's fused AdamW here bit for bit"
-                    )
-                else:
-                    loaded = k
-            except (OSError, RuntimeError, ValueError) as e:
-                reason = str(e)
-            _LOADED["kernel"], _LOADED["reason"] = loaded, reason
-            if reason is not None:
-                warnings.warn(
-                    f"megatron_ext: the offloaded step's compiled kernel is not used "
-                    f"({reason}); the chunked step runs on torch's ops (about 1.3x the "
-                    "kernel's time). Install a C compiler (cc, or set CC), or set "
-                    "BUFFERS_CPU_KERNEL=off to use torch's ops without this warning",
-                    HostAdamWWarning,
-                    stacklevel=3,
-                )
-        return _LOADED["kernel"]  # type: ignore[return-value]
+    return _native.load_once(  # type: ignore[return-value]
+        _LOADED,
+        _load,
+        (OSError, RuntimeError, ValueError),
+        lambda reason: (
+            f"megatron_ext: the offloaded step's compiled kernel is not used ({reason}); the "
+            "chunked step runs on torch's ops (about 1.3x the kernel's time). Install a C "
+            "compiler (cc, or set CC), or set BUFFERS_CPU_KERNEL=off to use torch's ops "
+            "without this warning"
+        ),
+        HostAdamWWarning,
+    )
 
 
 def describe() -> str:

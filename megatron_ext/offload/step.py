@@ -189,6 +189,7 @@ class ChunkedAdamW:
         if host_params.dtype != torch.float32:
             raise ValueError(f"the host parameters must be fp32, got {host_params.dtype}")
         self.moment_dtypes = tuple(moment_dtypes)
+        self._moment_kinds = tuple(native.KINDS[d] for d in self.moment_dtypes)
         if cpu_grads is not None and (
             host_params.shape != cpu_grads.shape or host_params.dtype != cpu_grads.dtype
         ):
@@ -432,10 +433,13 @@ class ChunkedAdamW:
         if self._native is not None:
             tasks = self._native_plan(chunk, copies)
             if tasks is not None:
-                kinds = tuple(native.KINDS[d] for d in self.moment_dtypes)
                 if len(tasks):
                     self._native.run(
-                        tasks, self._hyper_c, self.next_steps, kinds, torch.get_num_threads()
+                        tasks,
+                        self._hyper_c,
+                        self.next_steps,
+                        self._moment_kinds,
+                        torch.get_num_threads(),
                     )
                 self.updated += 1
                 self.native_updates += 1
@@ -534,12 +538,11 @@ class ChunkedAdamW:
             pos = c.start
             for s in sorted(covered, key=lambda s: s.start) + [Span(c.end, c.end)]:
                 if pos < s.start:
-                    gap = self.host_params[pos : s.start]
+                    gap = Span(pos, s.start)
                     tasks.append(
-                        native.Task(
-                            gap.numel(), 0, gap.data_ptr(), None, None, None,
-                            out[pos - c0 :].data_ptr(), 2, 0, -1, native.KINDS[out.dtype],
+                        native.pack_task(
+                            self._flat(self.host_params, gap), out[pos - c0 : s.start - c0]
                         )
-                    )  # fmt: skip
+                    )
                 pos = max(pos, s.end)
         return (native.Task * len(tasks))(*tasks)  # none: a chunk of padding only
