@@ -25,12 +25,12 @@ uninterrupted run at the new size within ``TOLERANCE``.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
 from tests import test_megatron_cpu_reshard as reshard
+from tests import test_megatron_cpu_tp
 from tests.test_megatron_cpu import (
     BF16,
     CLIP,
@@ -39,12 +39,11 @@ from tests.test_megatron_cpu import (
     H,
     batch,
     owned_pieces,
-    run_ranks,
 )
 
 pytest.importorskip("megatron.core")
 
-SAVED_AT, STEPS = 2, 4
+SAVED_AT = test_megatron_cpu_tp.SAVED_AT  # run_plan saves after 2 steps, continues to 4
 FULL, DP = "fully_reshardable", "dp_reshardable"
 TOLERANCE = reshard.TOLERANCE  # the norm's two-stage sum vs one sum: its rounding only
 STAGES = {0: ("w1", "alpha"), 1: ("w2", "sink")}
@@ -173,52 +172,16 @@ def train(model, opt, stage, steps) -> tuple[list[float], list[float]]:
     return norms, refs
 
 
-def full_state(model, opt) -> dict[str, dict[str, torch.Tensor]]:
-    """Per parameter name this rank's stage holds: its full main value, Adam state and
-    model value, the data-parallel shards joined (``tests/test_megatron_cpu_tp.py``'s
-    join; TP is 1 here)."""
-    from tests import test_megatron_cpu_tp
-
-    return test_megatron_cpu_tp.full_state(model, opt)
-
-
-def ckpt(out_dir: str, shape: tuple[int, int], fmt: str, option: bool = True) -> str:
-    tag = "on" if option else "off"
-    return os.path.join(out_dir, f"ckpt-pp{shape[0]}-dp{shape[1]}-{fmt}-{tag}")
-
-
 def pp_job(rank, world, log, out_dir, plan):
-    """At PP=``plan["pp"]`` (data-parallel size ``world`` / PP): per option in
-    ``plan["run"]``, STEPS steps (the option's run saved at SAVED_AT in each format of
-    ``plan["save"]``); then per ((saved PP, saved DP), format) in ``plan["load"]``, a model
-    built from other values loads that checkpoint and continues to STEPS (an exception is
-    the result)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
+    """At PP=``plan["pp"]`` (data-parallel size ``world`` / PP): the TP tests' plan
+    (:func:`tests.test_megatron_cpu_tp.run_plan`)."""
     pp = plan["pp"]
-    shape = (pp, world // pp)
-    out = {}
-    for option in plan["run"]:
-        model, opt, stage = build(option, pp)
-        norms, refs = train(model, opt, stage, range(SAVED_AT))
-        at_save = full_state(model, opt)
-        for fmt in plan["save"] if option else plan.get("save_off", []):
-            reshard.save(model, opt, ckpt(out_dir, shape, fmt, option), fmt)
-        more = train(model, opt, stage, range(SAVED_AT, STEPS))
-        out["run", option] = dict(norms=norms + more[0], refs=refs + more[1], at_save=at_save,
-                                  end=full_state(model, opt))  # fmt: skip
-    for saved, fmt, *off in plan["load"]:  # ("off",): saved with the option off
-        model, opt, stage = build(True, pp, seed=12)
-        try:
-            reshard.load(model, opt, ckpt(out_dir, saved, fmt, not off), fmt)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the result
-            out["load", saved, fmt, *off] = dict(error=f"{type(e).__name__}: {str(e)[-1500:]}")
-            continue
-        state = full_state(model, opt)
-        norms, refs = train(model, opt, stage, range(SAVED_AT, STEPS))
-        out["load", saved, fmt, *off] = dict(loaded=state, end=full_state(model, opt),
-                                             norms=norms, refs=refs)  # fmt: skip
-    return out
+
+    def make(option, seed):
+        model, opt, stage = build(option, pp, seed)
+        return model, opt, lambda steps: train(model, opt, stage, steps)
+
+    return test_megatron_cpu_tp.run_plan(plan, (pp, world // pp), out_dir, make)
 
 
 # (world, plan); shapes are (PP, DP). PP=2 saves in both formats (and with the option off);
@@ -246,14 +209,7 @@ PLANS = [
 @pytest.fixture(scope="module")
 def pp_runs(tmp_path_factory):
     """Every rank's results, keyed by (what, ..., (PP, DP)), in rank order."""
-    tmp_path = tmp_path_factory.mktemp("pp")
-    out: dict = {}
-    for world, plan in PLANS:
-        shape = (plan["pp"], world // plan["pp"])
-        for result in run_ranks(tmp_path, world, pp_job, plan):
-            for key, value in result.items():
-                out.setdefault(key + (shape,), []).append(value)
-    return out
+    return test_megatron_cpu_tp.runs_by_shape(tmp_path_factory.mktemp("pp"), pp_job, PLANS, "pp")
 
 
 def merged(per_rank: list[dict], key: str) -> dict:

@@ -169,44 +169,67 @@ def full_state(model, opt) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def ckpt(out_dir: str, shape: tuple[int, int], fmt: str) -> str:
-    return os.path.join(out_dir, f"ckpt-tp{shape[0]}-dp{shape[1]}-{fmt}")
+def ckpt(out_dir: str, shape: tuple[int, int], fmt: str, option: bool = True) -> str:
+    tag = "on" if option else "off"
+    return os.path.join(out_dir, f"ckpt-{shape[0]}x{shape[1]}-{fmt}-{tag}")
+
+
+def run_plan(plan: dict, shape: tuple[int, int], out_dir: str, make) -> dict:
+    """One rank's part of ``plan`` at ``shape`` (model-parallel size, data-parallel size):
+    per option in ``plan["run"]``, STEPS steps, saved at SAVED_AT in each format of
+    ``plan["save"]`` (option on) or ``plan["save_off"]`` (off); then per (saved shape,
+    format[, "off"]) in ``plan["load"]``, a model built from other values (option on)
+    loads that checkpoint (saved with the option off where "off" is given) and continues
+    to STEPS; a load's exception is its result. ``make(option, seed)`` gives (model,
+    optimizer, train) with ``train(steps)`` -> (norms, fp64 norms)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    out = {}
+    for option in plan["run"]:
+        model, opt, train_ = make(option, 11)
+        norms, refs = train_(range(SAVED_AT))
+        at_save = full_state(model, opt)
+        for fmt in plan["save"] if option else plan.get("save_off", []):
+            reshard.save(model, opt, ckpt(out_dir, shape, fmt, option), fmt)
+        more = train_(range(SAVED_AT, STEPS))
+        out["run", option] = dict(norms=norms + more[0], refs=refs + more[1], at_save=at_save,
+                                  end=full_state(model, opt))  # fmt: skip
+    for saved, fmt, *off in plan["load"]:
+        model, opt, train_ = make(True, 12)
+        try:
+            reshard.load(model, opt, ckpt(out_dir, saved, fmt, not off), fmt)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the result
+            # torch's CheckpointException derives from BaseException, not Exception
+            out["load", saved, fmt, *off] = dict(error=f"{type(e).__name__}: {str(e)[-1500:]}")
+            continue
+        state = full_state(model, opt)
+        norms, refs = train_(range(SAVED_AT, STEPS))
+        out["load", saved, fmt, *off] = dict(loaded=state, end=full_state(model, opt),
+                                             norms=norms, refs=refs)  # fmt: skip
+    return out
+
+
+def runs_by_shape(tmp_path, job, plans, size: str) -> dict:
+    """Every rank's results of ``job`` over ``plans`` ((world, plan) each, spawned in
+    order), keyed by (what, ..., (plan[size], world / plan[size])), in rank order."""
+    out: dict = {}
+    for world, plan in plans:
+        shape = (plan[size], world // plan[size])
+        for result in run_ranks(tmp_path, world, job, plan):
+            for key, value in result.items():
+                out.setdefault(key + (shape,), []).append(value)
+    return out
 
 
 def tp_job(rank, world, log, out_dir, plan):
-    """At TP=``plan["tp"]`` (data-parallel size ``world`` / TP): per option in
-    ``plan["run"]``, STEPS steps (the option's saved at SAVED_AT in each format of
-    ``plan["save"]``); then per ((saved TP, saved DP), format) in ``plan["load"]``, a model
-    built from other values loads that checkpoint and continues to STEPS (an exception is
-    the result)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
+    """At TP=``plan["tp"]`` (data-parallel size ``world`` / TP): :func:`run_plan`."""
     tp = plan["tp"]
-    shape = (tp, world // tp)
-    out = {}
-    for option in plan["run"]:
-        model, opt = build(option, tp)
-        norms, refs = train(model, opt, range(SAVED_AT))
-        at_save = full_state(model, opt)
-        if option:
-            for fmt in plan["save"]:
-                reshard.save(model, opt, ckpt(out_dir, shape, fmt), fmt)
-        more = train(model, opt, range(SAVED_AT, STEPS))
-        out["run", option] = dict(norms=norms + more[0], refs=refs + more[1], at_save=at_save,
-                                  end=full_state(model, opt))  # fmt: skip
-    for saved, fmt in plan["load"]:
-        model, opt = build(True, tp, seed=12)
-        try:
-            reshard.load(model, opt, ckpt(out_dir, saved, fmt), fmt)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the result
-            # torch's CheckpointException derives from BaseException, not Exception
-            out["load", saved, fmt] = dict(error=f"{type(e).__name__}: {str(e)[-1500:]}")
-            continue
-        state = full_state(model, opt)
-        norms, refs = train(model, opt, range(SAVED_AT, STEPS))
-        out["load", saved, fmt] = dict(loaded=state, end=full_state(model, opt), norms=norms,
-                                       refs=refs)  # fmt: skip
-    return out
+
+    def make(option, seed):
+        model, opt = build(option, tp, seed)
+        return model, opt, lambda steps: train(model, opt, steps)
+
+    return run_plan(plan, (tp, world // tp), out_dir, make)
 
 
 # (world, plan); shapes are (TP, DP). TP=2 saves in both formats; TP=1 saves, and loads
@@ -226,14 +249,8 @@ PLANS = [
 
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
-    """Every rank's results, keyed by (what, ..., TP size)."""
-    tmp_path = tmp_path_factory.mktemp("tp")
-    out: dict = {}
-    for world, plan in PLANS:
-        for result in run_ranks(tmp_path, world, tp_job, plan):
-            for key, value in result.items():
-                out.setdefault(key + ((plan["tp"], world // plan["tp"]),), []).append(value)
-    return out
+    """Every rank's results, keyed by (what, ..., (TP, DP))."""
+    return runs_by_shape(tmp_path_factory.mktemp("tp"), tp_job, PLANS, "tp")
 
 
 @pytest.mark.parametrize("tp", [1, 2])
