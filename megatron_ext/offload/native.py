@@ -132,10 +132,6 @@ class HostAdamW:
         )
 
 
-def kind(dtype: torch.dtype) -> int | None:
-    return KINDS.get(dtype)
-
-
 def tasks_for(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -225,10 +221,11 @@ def _matches(kernel, case, width, variant, vectorized) -> bool:
     got = [p.clone(), m.clone(), v.clone()]
     out = torch.empty(p.numel(), dtype=torch.bfloat16)
     n = p.numel()
-    tasks = tasks_for(*got[:1], g, got[1], got[2], out, 0, 0, n - n % width, task_numel=64)
+    tasks = tasks_for(got[0], g, got[1], got[2], out, 0, 0, n - n % width, task_numel=64)
     array = (Task * len(tasks))(*tasks)
     steps = torch.tensor([step], dtype=torch.float32)
-    kernel.run(array, hyper_array([hyper]), steps, (2, 2), 1, variant, vectorized)
+    fp32 = KINDS[torch.float32]
+    kernel.run(array, hyper_array([hyper]), steps, (fp32, fp32), 1, variant, vectorized)
     return all(
         torch.equal(a.view(torch.int32), b.view(torch.int32))
         for a, b in zip(got, want, strict=True)
