@@ -804,7 +804,11 @@ def test_checkpoints_move_between_the_chunked_and_per_parameter_steps(
     "chunk,compute", [(1, 1), (7, 10**9), (200, 64), (10**9, 100), (10**9, 10**9)]
 )
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
-@pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])
+@pytest.mark.parametrize(
+    "pa,grads_fp32",
+    [(True, False), (True, True), (False, False)],
+    ids=["pa", "pa_fp32grads", "main"],
+)
 @pytest.mark.parametrize(
     "cls",
     [
@@ -816,13 +820,13 @@ def test_checkpoints_move_between_the_chunked_and_per_parameter_steps(
     ids=["host-native", "device-native", "host-torch", "device-torch"],
 )
 def test_chunked_step_is_stock_bit_for_bit_at_any_chunk_size(
-    cpu_streams, cls, pa, fraction, chunk, compute
+    cpu_streams, cls, pa, grads_fp32, fraction, chunk, compute
 ):
     """Chunks (copies) and their sub-ranges (convert, update, pack) of any size, the
     gradients and parameters converted on the host or on the device, the chunks updated by
-    the compiled kernel (one pass) or by torch's ops."""
-    stock = train(StockPlacedFp32Fixed, pa, fraction, 3)
-    ours = train(cls, pa, fraction, 3, chunk=chunk, compute=compute)
+    the compiled kernel (one pass) or by torch's ops; bf16 or fp32 gradient buffers."""
+    stock = train(StockPlacedFp32Fixed, pa, fraction, 3, grads_fp32=grads_fp32)
+    ours = train(cls, pa, fraction, 3, chunk=chunk, compute=compute, grads_fp32=grads_fp32)
     assert ours[2]._chunked is not None, ours[2].chunked_step_off
     native = cls.offload_kernel == "native"
     for stepper in ours[2]._chunked[0]:
@@ -951,6 +955,39 @@ def test_the_compiled_kernel_runs_once_per_chunk_with_every_family(cpu_streams, 
     assert {wd for _, wd in lrs_wds} == {0.0, 0.1}
     assert {lr for lr, _ in lrs_wds} == {g["lr"] for g in ours[2].param_groups}
     assert {t for _, _, t in runs} == {torch.get_num_threads()}
+
+
+@pytest.mark.parametrize("chunk", [10**9, 200, 7])
+def test_the_compiled_kernel_never_packs_over_gradients_not_yet_read(
+    cpu_streams, monkeypatch, chunk
+):
+    """fp32 gradients of bf16 parameters: the staging holds the gradients (4 bytes an
+    element) and the updated parameters are packed into the same bytes (2 an element), so
+    element j's new parameter overwrites element j/2's gradient. One kernel call shares its
+    tasks among threads in any order; here every call runs its tasks one at a time in
+    reverse order (a task of a later parameter packing before an earlier one has read its
+    gradients, the order a busy pool can take). Still stock's result bit for bit."""
+    from megatron_ext.offload import native
+
+    native.kernel()  # loaded and probed before the reordering starts
+    real_run = native.HostAdamW.run
+    sizes = []
+
+    def reversed_one_by_one(self, tasks, *args, **kwargs):
+        sizes.append(len(tasks))
+        for i in reversed(range(len(tasks))):
+            real_run(self, (native.Task * 1)(tasks[i]), *args, **kwargs)
+
+    monkeypatch.setattr(native.HostAdamW, "run", reversed_one_by_one)
+    stock = train(StockPlacedFp32Fixed, True, 1.0, 3, grads_fp32=True)
+    ours = train(MirrorChunkedNative, True, 1.0, 3, chunk=chunk, grads_fp32=True)
+    bf16_mirror = next(m for m in ours[2].host_mirrors if m.params_dtype == torch.bfloat16)
+    assert bf16_mirror.grads_dtype == torch.float32  # packed into the gradients' bytes
+    assert bf16_mirror.cpu_grads.data_ptr() == bf16_mirror.staging.data_ptr()
+    assert all(s.uses_native for s in ours[2]._chunked[0])
+    if chunk >= 200:
+        assert max(sizes) > 1  # calls of several tasks, whose order was reversed
+    assert_same_run(stock, ours)
 
 
 def test_chunked_adamw_refuses_what_is_not_the_mirror():

@@ -312,3 +312,59 @@ def test_a_forked_child_runs_the_kernel_with_threads_of_its_own(kernel):
     child.join(timeout=60)
     assert child.exitcode == 0
     assert queue.get(timeout=5) is True
+
+
+def _tasks(param, grad, out, sizes):
+    """One task per run of ``sizes`` elements, laid end to end (no tail formula)."""
+    tasks, a = [], 0
+    for n in sizes:
+        b = a + n
+        m1, m2 = torch.zeros(n), torch.zeros(n)
+        tasks += native.tasks_for(param[a:b], grad[a:b], m1, m2, out[a:b], 0, 0, n, n)
+        a = b
+    return tasks
+
+
+def _round_of(rounds, tasks):
+    where = {t.param: r for r, round_ in enumerate(rounds) for t in round_}
+    return [where[t.param] for t in tasks]
+
+
+def test_rounds_keep_packed_parameters_off_gradients_not_yet_read():
+    """fp32 gradients and bf16 outputs in the same bytes: elements [a, b) pack over the
+    gradients of [a/2, b/2), so a task must wait for the tasks owning those (and only
+    them); bf16 gradients packed in place, or outputs elsewhere, need one round."""
+    staging = torch.zeros(64 * 4, dtype=torch.uint8)
+    param = torch.zeros(64)
+    grad, out = staging.view(torch.float32), staging.view(torch.bfloat16)
+    # element ranges [0,8) [8,16) [16,32) [32,40) [40,64): packs over grads of
+    # [0,4) [4,8) [8,16) [16,20) [20,32)
+    tasks = _tasks(param, grad, out, [8, 8, 16, 8, 24])
+    rounds = native.rounds(tasks)
+    assert _round_of(rounds, tasks) == [0, 1, 2, 3, 3]
+    in_place = staging[: 64 * 2].view(torch.bfloat16)
+    tasks = _tasks(param, in_place, in_place, [8, 8, 16, 8, 24])
+    assert _round_of(native.rounds(tasks), tasks) == [0] * 5
+    tasks = _tasks(param, grad, torch.zeros(64, dtype=torch.bfloat16), [8, 8, 16, 8, 24])
+    assert _round_of(native.rounds(tasks), tasks) == [0] * 5
+    # a pack-only task (a gap between parameters) waits too: [40,64) over [20,32)'s
+    gaps = [native.pack_task(param[40:64], out[40:64])]
+    grad_tasks = _tasks(param, grad, out, [8, 8, 16, 8])
+    both = grad_tasks + gaps
+    assert _round_of(native.rounds(both), both) == [0, 1, 2, 3, 3]
+
+
+def test_rounds_refuse_what_no_order_makes_safe():
+    staging = torch.zeros(64 * 4, dtype=torch.uint8)
+    param = torch.zeros(64)
+    grad, out = staging.view(torch.float32), staging.view(torch.bfloat16)
+    forward = _tasks(param, grad, out, [16, 16])
+    assert native.rounds(forward) is not None
+    # the later task listed first: it would pack over gradients of one listed after it
+    assert native.rounds(forward[::-1]) is None
+    # a task packing ahead of its own reads: bf16 out over bf16 grads one element on
+    ahead = native.tasks_for(param[:8], out[:8], torch.zeros(8), torch.zeros(8), out[1:9], 0, 0, 8)
+    assert native.rounds(ahead) is None
+    # wider output than gradient over the same bytes: fp32 out over bf16 grads
+    wide = native.tasks_for(param[:8], out[:8], torch.zeros(8), torch.zeros(8), grad[:8], 0, 0, 8)
+    assert native.rounds(wide) is None

@@ -22,6 +22,7 @@ torch path runs, and one :class:`HostAdamWWarning` says so.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import itertools
 import warnings
@@ -168,6 +169,53 @@ def tasks_for(
             )
         )
     return result
+
+
+_BYTES = {0: 2, 2: 4}  # element size per kind
+
+
+def rounds(tasks: list[Task]) -> list[list[Task]] | None:
+    """``tasks`` in rounds to run one after another (each round one kernel call, its tasks
+    on the pool in any order), so that no task writes its packed parameters (``out``) over
+    gradient bytes that another task of its round or a later one has still to read.
+
+    That happens where the staging holds fp32 gradients and the bf16 parameters are packed
+    into the same bytes: element j's parameter lands on element j/2's gradient, which an
+    earlier task of the same chunk may read. A task that packs over its own gradients is
+    safe when its output runs behind its reads (it reads each element before writing it,
+    and ``out`` starts at or before ``grad`` with elements no wider). None where the tasks
+    cannot be ordered so (a task packing over a later task's gradients, or over its own
+    ahead of its reads): the caller then takes the torch path, one sub-range after another.
+    """
+    reads = sorted(
+        (t.grad, t.grad + t.n * _BYTES[t.grad_kind], i)
+        for i, t in enumerate(tasks)
+        if t.grad and t.n > 0
+    )
+    starts = [r[0] for r in reads]
+    ends = [r[1] for r in reads]
+    disjoint = all(a <= b for a, b in zip(ends[:-1], starts[1:], strict=True))
+    level = [0] * len(tasks)
+    for i, t in enumerate(tasks):
+        if not t.out or t.n <= 0:
+            continue
+        lo, hi = t.out, t.out + t.n * _BYTES[t.out_kind]
+        # the reads overlapping [lo, hi): start < hi and end > lo
+        first = bisect.bisect_right(ends, lo) if disjoint else 0
+        for start, end, other in reads[first : bisect.bisect_left(starts, hi)]:
+            if end <= lo:
+                continue
+            if other == i:
+                if lo > start or _BYTES[t.out_kind] > _BYTES[t.grad_kind]:
+                    return None
+            elif other > i:
+                return None
+            else:
+                level[i] = max(level[i], level[other] + 1)
+    out: list[list[Task]] = [[] for _ in range(max(level, default=-1) + 1)]
+    for t, lv in zip(tasks, level, strict=True):
+        out[lv].append(t)
+    return out
 
 
 def pack_task(param: torch.Tensor, out: torch.Tensor) -> Task:

@@ -431,9 +431,9 @@ class ChunkedAdamW:
         ``cpu_grads`` and nothing is packed.
         """
         if self._native is not None:
-            tasks = self._native_plan(chunk, copies)
-            if tasks is not None:
-                if len(tasks):
+            rounds = self._native_plan(chunk, copies)
+            if rounds is not None:
+                for tasks in rounds:  # one call each: a round starts when the last ended
                     self._native.run(
                         tasks,
                         self._hyper_c,
@@ -466,11 +466,12 @@ class ChunkedAdamW:
                 sub.pack[0].copy_(sub.pack[1])
 
     def _native_plan(self, chunk: int, copies):
-        """Chunk ``chunk``'s tasks for the compiled kernel (a ctypes array, built at its
-        first update and kept; empty for a chunk of padding only), or None where the kernel
-        cannot take it: gradients, island stagings or packed parameters in a dtype other
-        than bf16 / fp32, or island gradients the torch path would also copy into the
-        mirror's own gradients."""
+        """Chunk ``chunk``'s tasks for the compiled kernel, in rounds (ctypes arrays, one
+        kernel call each: :func:`~megatron_ext.offload.native.rounds`; built at its first
+        update and kept; none for a chunk of padding only), or None where the kernel cannot
+        take it: gradients, island stagings or packed parameters in a dtype other than
+        bf16 / fp32, island gradients the torch path would also copy into the mirror's own
+        gradients, or tasks no order of rounds keeps from packing over unread gradients."""
         cached = self._native_plans.get(chunk)
         if cached is not None and cached[0] is copies:
             return cached[1]
@@ -545,4 +546,8 @@ class ChunkedAdamW:
                         )
                     )
                 pos = max(pos, s.end)
-        return (native.Task * len(tasks))(*tasks)  # none: a chunk of padding only
+        # packed parameters may land on gradients other tasks of the chunk still read
+        ordered = native.rounds(tasks)
+        if ordered is None:
+            return None
+        return tuple((native.Task * len(r))(*r) for r in ordered)  # (): padding only

@@ -336,8 +336,13 @@ def assert_same_state(stock, mine):
     ]
 
 
-def train(cls, pa, fraction, steps, chunk=None, overlap=True, reload_at=None, compute=None):
-    bf16, fp32, groups, sources, bind, shard16 = sim(pa, False, False, 2, 1)
+def train(
+    cls, pa, fraction, steps, chunk=None, overlap=True, reload_at=None, compute=None,
+    grads_fp32=False,
+):  # fmt: skip
+    """``steps`` steps of ``cls`` over the two-buffer model at DP=2, rank 1 (fp32 gradient
+    buffers for the bf16 parameters with ``grads_fp32``): (bf16, fp32, optimizer, shards)."""
+    bf16, fp32, groups, sources, bind, shard16 = sim(pa, False, grads_fp32, 2, 1)
     hdo = make_hdo(
         cls,
         groups,
