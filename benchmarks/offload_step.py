@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         r["fraction"] = args.fraction
         r["same_state_as_per_parameter"] = identical
     common.write_json(rows, args.out, NAME)
-    _plot(rows, args.out, title)
+    _plot(rows, args.out, f"{title} | offload fraction {args.fraction}")
     good = [r for r in rows if "error" not in r]
     warning = common.spread_warning(
         {f"{r['variant']} {r['mode']} {r['threads']}t": r["step_spread"] for r in good}, rounds
@@ -605,11 +605,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _plot(rows, out_dir, title) -> None:
     good = [r for r in rows if "error" not in r and r["mode"] == "drained"]
-    fig, (ax,) = common.new_figure(1, width=8.0)
+    # one bar per variant and thread count: wide enough that the labels do not overlap
+    fig, (ax,) = common.new_figure(1, width=max(8.0, 0.9 * len(good)))
     if not good:
         common.empty_panel(ax, "no variant ran")
     else:
-        labels = [f"{r['variant']}\n{r['threads']} threads" for r in good]
+        labels = [f"{r['variant']}, {r['threads']}t" for r in good]
         bottom = [0.0] * len(good)
         for p in PHASES:
             values = [1e3 * r[f"{p}_s"] for r in good]
@@ -633,6 +634,9 @@ def _plot(rows, out_dir, title) -> None:
             ax.plot([label, label], [floor, floor], marker="_", markersize=40, color="red")
         ax.plot([], [], color="red", label="CPU AdamW floor")
         ax.set_ylabel("ms per step (drained phases stacked)")
+        ax.tick_params(axis="x", labelrotation=35, labelsize=7)
+        for tick in ax.get_xticklabels():
+            tick.set_horizontalalignment("right")
         ax.legend(fontsize=7)
     common.save_figure(fig, out_dir, NAME, title)
 
