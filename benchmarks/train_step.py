@@ -273,6 +273,22 @@ def combine_rounds(rounds: list[dict]) -> dict:
     return row
 
 
+def measure_rounds(n: int, rounds: int, measure, write) -> list[dict]:
+    """``measure(i)`` for runs 0..n-1, ``rounds`` times over, interleaved; after every
+    measurement the rows so far (each run's measured rounds combined, with its status) go to
+    ``write``, so that a run cut short by a time limit leaves what it measured. Returns the
+    rows of every run."""
+    per_round: list[list[dict]] = [[] for _ in range(n)]
+    rows: list[dict] = []
+    for i in progress([i for _ in range(rounds) for i in range(n)], NAME):
+        per_round[i].append(measure(i))
+        rows = [combine_rounds(r) for r in per_round if r]
+        for row in rows:
+            row["status"] = isolation.status(row.get("error"))
+        write(rows)
+    return rows
+
+
 def _norm_and_clip(opt, option: bool):
     if option:
         return opt.clip_grad_norm(opt.config.clip_grad)
@@ -321,25 +337,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
         runs.append((False, "pa_offload_0.5", CONFIGS[0][1], False))  # stock, islands in bf16
         for label, ov in CONFIGS[:2]:  # ours with the chunked offload step
             runs.append((True, f"{label}_chunked", ov | {OFFLOAD_STEP: "chunked"}, True))
-        per_round: list[list[dict]] = [[] for _ in runs]
-        order = [i for _ in range(max(1, args.rounds)) for i in range(len(runs))]
         child = None  # stock's process; a fresh one after any error there
+
+        def measure(i: int) -> dict:
+            nonlocal child
+            if runs[i][0]:
+                return _measure(args, *runs[i])
+            child = child if child is not None and child.usable else isolation.Child(NAME)
+            row = _measure_stock(child, args, *runs[i][1:])
+            if "error" in row:
+                child.close()
+                child = None
+            return row
+
         try:
-            for i in progress(order, NAME):
-                if runs[i][0]:
-                    per_round[i].append(_measure(args, *runs[i]))
-                    continue
-                child = child if child is not None and child.usable else isolation.Child(NAME)
-                per_round[i].append(_measure_stock(child, args, *runs[i][1:]))
-                if "error" in per_round[i][-1]:
-                    child.close()
-                    child = None
+            rows = measure_rounds(
+                len(runs), max(1, args.rounds), measure, lambda r: write_json(r, args.out, NAME)
+            )
         finally:
             if child is not None:
                 child.close()
-        rows = [combine_rounds(r) for r in per_round]
-        for row in rows:
-            row["status"] = isolation.status(row.get("error"))
         parallel_state.destroy_model_parallel()
     write_json(rows, args.out, NAME)
     warning = spread_warning(

@@ -642,6 +642,37 @@ def test_train_step_rows_take_each_phase_from_the_fastest_round():
     assert failed["error"] == "E: x" and "fwd_bwd_ms" not in failed
 
 
+def test_train_step_writes_what_it_measured_after_every_measurement(tmp_path):
+    """A time limit may kill the run mid-way: after each measurement the JSON on disk holds
+    every run measured so far, interleaved rounds combined; a failed run is its row."""
+    script = load_script("train_step")
+    seen = []
+
+    def measure(i):
+        k = sum(1 for j in seen if j == i)
+        seen.append(i)
+        if i == 2:
+            return {"config": "c2", "variant": "stock", "error": "ValueError: no"}
+        t = 10.0 + i + k
+        return {"config": f"c{i}", "variant": "ours", "fwd_bwd_ms": t, "norm_clip_ms": 1.0,
+                "optimizer_ms": 2.0, "step_ms": t + 3.0, "peak_gib": 1.0}  # fmt: skip
+
+    snapshots = []
+
+    def write(rows):
+        script.write_json(rows, tmp_path, "train_step")
+        on_disk = json.loads((tmp_path / "train_step.json").read_text())
+        snapshots.append([(r["config"], r.get("rounds"), r["status"]) for r in on_disk])
+
+    rows = script.measure_rounds(3, 2, measure, write)
+    assert seen == [0, 1, 2, 0, 1, 2]  # interleaved
+    assert snapshots[0] == [("c0", 1, "ok")]
+    assert snapshots[2][2][0] == "c2" and snapshots[2][2][2].startswith("failed")
+    assert snapshots[3][0] == ("c0", 2, "ok") and snapshots[3][1] == ("c1", 1, "ok")
+    assert len(snapshots) == 6 and [r["rounds"] for r in rows] == [2, 2, 2]
+    assert rows[0]["fwd_bwd_ms"] == 10.0 and rows[0]["step_rounds_ms"] == [13.0, 14.0]
+
+
 def test_train_step_times_the_offload_optimizers_own_step(monkeypatch):
     from types import SimpleNamespace
 
