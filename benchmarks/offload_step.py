@@ -559,15 +559,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         for threads in common.progress(args.threads or [original], NAME):
             torch.set_num_threads(threads)
-            rows += measure(
+            done = measure(
                 setup, rounds, warmup, common.per_round(reps, rounds), tuple(args.variants)
             )
+            for r in done:
+                r["fraction"] = args.fraction
+                r["same_state_as_per_parameter"] = identical
+            rows += done
+            # after each thread count: a run stopped by a time limit keeps what it measured
+            common.write_json(rows, args.out, NAME)
     finally:
         torch.set_num_threads(original)
-    for r in rows:
-        r["fraction"] = args.fraction
-        r["same_state_as_per_parameter"] = identical
-    common.write_json(rows, args.out, NAME)
     _plot(rows, args.out, f"{title} | offload fraction {args.fraction}")
     good = [r for r in rows if "error" not in r]
     warning = common.spread_warning(

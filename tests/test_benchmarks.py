@@ -440,6 +440,31 @@ def test_offload_step_cpu_run(tmp_path, capsys, fraction):
     assert "leave the same optimizer state: True" in out.out
 
 
+def test_offload_step_keeps_the_thread_counts_measured_before_it_was_stopped(tmp_path, monkeypatch):
+    """The JSON is written after every thread count: a run stopped in its second (here
+    the measurement raises, as a time limit's signal would end it) leaves the first's rows."""
+    script = load_script("offload_step")
+    real, calls = script.measure, []
+
+    def second_stops(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("stopped")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(script, "measure", second_stops)
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--threads", "1", "2"]
+    argv += OFFLOAD_STEP_TINY + ["--variants", "per_parameter", "chunked"]
+    with pytest.raises(KeyboardInterrupt):
+        script.main(argv)
+    rows = json.loads((tmp_path / "offload_step.json").read_text())
+    assert {(r["variant"], r["threads"]) for r in rows} == {
+        ("per_parameter", 1),
+        ("chunked", 1),
+    }
+    assert all(r["fraction"] == 1.0 and r["same_state_as_per_parameter"] for r in rows)
+
+
 @pytest.mark.parametrize("wide", [False, True])
 def test_offload_step_bf16_moment_variants_keep_bf16_moments(wide):
     """One step from the same parameters and fresh state: the bf16-moment variant leaves
