@@ -18,6 +18,7 @@ DP=2, resumed at DP=2 bit for bit and loaded at DP=1 with every state tensor in 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -33,6 +34,25 @@ pytest.importorskip("megatron.core")
 
 H, F, BATCH, STEPS, CLIP, LR = 32, 48, 8, 2, 1.0, 0.05
 BF16 = torch.bfloat16
+# Where the spawned ranks run megatron-core: "cpu" (the default, and CI's) through the shim
+# of tests/support/cpu_megatron.py; "cuda" (MEGATRON_TEST_DEVICE=cuda) on GPU 0, every rank
+# on the one GPU over gloo, megatron-core's own CUDA code, with tests/support/multirank
+# first on PYTHONPATH (collectives one by one). Jobs that take their device from the model
+# (rank_device, to_model) run unchanged on either: test_megatron_cpu_reshard.py's.
+DEVICE = os.environ.get("MEGATRON_TEST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"MEGATRON_TEST_DEVICE={DEVICE!r}: use cpu (the default) or cuda")
+
+
+def rank_device() -> torch.device:
+    """The device a spawned rank builds its model on (:data:`DEVICE`; GPU 0 for cuda)."""
+    return torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
+
+
+def to_model(model, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on the device of ``model``'s parameters (megatron-core's buffers)."""
+    device = next(model.parameters()).device
+    return tuple(t.to(device) for t in tensors)
 
 
 def initial_params(keep_alpha_bf16: bool, seed: int = 11) -> dict[str, torch.Tensor]:
@@ -179,10 +199,8 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, job: str, ar
     )  # fmt: skip
     from megatron.core import parallel_state as ps
 
-    from tests.support.cpu_megatron import cpu_megatron
-
     try:
-        with cpu_megatron() as log:
+        with _rank_context() as log:
             ps.initialize_model_parallel()
             run = JOBS[job] if isinstance(job, str) else job
             out = run(rank, world, log, out_dir, *args)
@@ -191,6 +209,37 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, job: str, ar
     torch.save(out, os.path.join(out_dir, f"{_name(job)}-{world}-rank{rank}.pt"))
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+class _NoLog:
+    """The log the jobs get on CUDA, where nothing records megatron-core's calls."""
+
+    entries: list = []
+
+    def clear(self) -> None:
+        pass
+
+    def of(self, kind: str) -> list:
+        raise RuntimeError(f"no {kind} log on CUDA: this job runs on the CPU shim only")
+
+
+@contextlib.contextmanager
+def _rank_context():
+    """The shim on the CPU; on CUDA, GPU 0 and a check that megatron-core's collectives run
+    one by one (tests/support/multirank's sitecustomize, which gloo needs on CUDA tensors)."""
+    if DEVICE == "cpu":
+        from tests.support.cpu_megatron import cpu_megatron
+
+        with cpu_megatron() as log:
+            yield log
+        return
+    if getattr(dist._coalescing_manager, "__name__", "") != "_one_by_one":
+        raise RuntimeError(
+            "MEGATRON_TEST_DEVICE=cuda needs tests/support/multirank first on PYTHONPATH "
+            "(several ranks share the GPU over gloo, which cannot coalesce CUDA collectives)"
+        )
+    torch.cuda.set_device(0)
+    yield _NoLog()
 
 
 def _name(job) -> str:
@@ -206,7 +255,7 @@ def run_ranks(tmp_path, world: int, job, *args) -> list:
     init = str(tmp_path / f"init-{name}-{world}-{uuid.uuid4().hex}")
     mp.spawn(_rank_main, args=(world, init, str(tmp_path), job, args), nprocs=world)
     outs = [
-        torch.load(tmp_path / f"{name}-{world}-rank{r}.pt", weights_only=False)
+        torch.load(tmp_path / f"{name}-{world}-rank{r}.pt", weights_only=False, map_location="cpu")
         for r in range(world)
     ]
     for r, out in enumerate(outs):

@@ -14,6 +14,11 @@ with its loss times 0 (gradients of exactly 0, which add nothing to the sum and 
 nothing). The gradients are then the same bits at every shape (see ``TOLERANCE``); what
 changes is how the optimizer state is sharded and the order in which the gradient norm's
 squares are summed.
+
+With ``MEGATRON_TEST_DEVICE=cuda`` the same file runs on GPU 0 (every rank on it, over
+gloo; ``scripts/gpu_session.sh reshard``): the model moved there before megatron-core
+builds its buffers, batches moved to the model's device, megatron-core's own CPU-offload
+placement; no transformer-engine or Apex installed.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from tests.test_megatron_cpu import (
     BF16,
     CLIP,
+    DEVICE,
     LR,
     MLP,
     H,
@@ -37,10 +43,24 @@ from tests.test_megatron_cpu import (
     joined,
     owned_state,
     params_of,
+    rank_device,
     run_ranks,
+    to_model,
 )
 
 pytest.importorskip("megatron.core")
+if DEVICE == "cuda":
+    if not torch.cuda.is_available():
+        pytest.skip("MEGATRON_TEST_DEVICE=cuda: no CUDA device here", allow_module_level=True)
+    import importlib.util
+
+    # the "torch" paths are megatron-core's torch-Adam fallback: with transformer-engine
+    # or Apex installed megatron-core takes their FusedAdam instead (other step counts)
+    taken = [m for m in ("transformer_engine", "apex") if importlib.util.find_spec(m)]
+    if taken:
+        pytest.skip(f"MEGATRON_TEST_DEVICE=cuda: run before {taken} is installed "
+                    "(megatron-core would not take its torch-Adam path)",
+                    allow_module_level=True)  # fmt: skip
 
 SAVED_AT, STEPS = 2, 4  # save after two steps, continue to four
 FORMATS = ("fully_reshardable", "dp_reshardable")
@@ -106,6 +126,7 @@ def build(option: bool, *, seed: int = 11, fp16: bool = False, extra: str | None
         megatron_ext.mark_keep_in_fp32(p)
     for old, new in (rename or {}).items():
         module.register_parameter(new, module._parameters.pop(old))
+    module.to(rank_device())  # megatron-core's buffers are made on the device (the shim's: CPU)
     tcfg = TransformerConfig(
         num_layers=1, hidden_size=H, num_attention_heads=4, bf16=not fp16, fp16=fp16,
         params_dtype=dtype,
@@ -133,7 +154,7 @@ def train_steps(model, opt, rank: int, world: int, steps) -> list[float]:
         model.zero_grad_buffer()
         opt.zero_grad()
         for r in range(rank, max(world, 2), world):
-            (model(*batch(r % 2, s)) * (world / 2 if r < 2 else 0.0)).backward()
+            (model(*to_model(model, *batch(r % 2, s))) * (world / 2 if r < 2 else 0.0)).backward()
         model.finish_grad_sync()
         ok, norm, _ = opt.step()
         assert ok
@@ -210,7 +231,7 @@ def adam_path(path: str) -> Iterator[None]:
             from tests.gpu.apex_standin import use_apex_path
 
             use_apex_path(patch)
-        if "+offload" in path:
+        if "+offload" in path and DEVICE == "cpu":
             # megatron-core offloads only parameters on a CUDA device: here every parameter
             # is on the CPU, so its placement is replayed as if they were on the device
             from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import (

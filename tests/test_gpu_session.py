@@ -1,0 +1,40 @@
+"""scripts/gpu_session.sh's reshard step, wired on the CPU with a python3 that records how
+it was called."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+RECORDING_PYTHON = r"""#!/usr/bin/env bash
+echo "DEVICE=${MEGATRON_TEST_DEVICE:-} PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_LOG"
+"""
+
+
+def test_the_reshard_step_runs_the_cpu_resharding_file_on_cuda(tmp_path):
+    """MEGATRON_TEST_DEVICE=cuda, tests/support/multirank first on PYTHONPATH (collectives
+    one by one for gloo on CUDA tensors), the CPU suite's file itself, its own limit."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    (root / ".whl").mkdir()
+    (root / ".whl" / "megatron_core-0.19.2-py3-none-any.whl").write_bytes(b"w")
+    shutil.copy(Path(__file__).resolve().parents[1] / "scripts" / "gpu_session.sh",
+                root / "scripts")  # fmt: skip
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(RECORDING_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    log, out = tmp_path / "calls", tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+               STUB_LOG=str(log), OUT=str(out))  # fmt: skip
+    env.pop("MEGATRON_TEST_DEVICE", None)
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "reshard"], cwd=root, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert "=== reshard exit 0" in proc.stdout, proc.stdout + proc.stderr
+    install, reshard = log.read_text().splitlines()
+    assert "pip install" in install
+    assert reshard.startswith(f"DEVICE=cuda PYTHONPATH={root}/tests/support/multirank:/tmp/site:")
+    assert reshard.endswith(
+        "-m pytest -p no:cacheprovider -q -rfEs tests/test_megatron_cpu_reshard.py"
+    )
+    assert (out / "reshard.log").exists()
