@@ -11,9 +11,9 @@ echo "DEVICE=${MEGATRON_TEST_DEVICE:-} PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_
 """
 
 
-def test_the_reshard_step_runs_the_cpu_resharding_file_on_cuda(tmp_path):
+def test_the_reshard_step_runs_the_cpu_resharding_files_on_cuda(tmp_path):
     """MEGATRON_TEST_DEVICE=cuda, tests/support/multirank first on PYTHONPATH (collectives
-    one by one for gloo on CUDA tensors), the CPU suite's file itself, its own limit."""
+    one by one for gloo on CUDA tensors), the CPU suite's DP and TP files themselves."""
     root = tmp_path / "repo"
     (root / "scripts").mkdir(parents=True)
     (root / ".whl").mkdir()
@@ -35,6 +35,7 @@ def test_the_reshard_step_runs_the_cpu_resharding_file_on_cuda(tmp_path):
     assert "pip install" in install
     assert reshard.startswith(f"DEVICE=cuda PYTHONPATH={root}/tests/support/multirank:/tmp/site:")
     assert reshard.endswith(
-        "-m pytest -p no:cacheprovider -q -rfEs tests/test_megatron_cpu_reshard.py"
+        "-m pytest -p no:cacheprovider -q -rfEs tests/test_megatron_cpu_reshard.py "
+        "tests/test_megatron_cpu_tp.py"
     )
     assert (out / "reshard.log").exists()

@@ -49,6 +49,23 @@ def rank_device() -> torch.device:
     return torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
 
 
+def skip_unless_the_device_serves() -> None:
+    """At a module's top, with MEGATRON_TEST_DEVICE=cuda: skip the module where there is no
+    GPU, or where transformer-engine or Apex is installed (the files that call this expect
+    megatron-core's torch-Adam fallback where they ask for the "torch" path)."""
+    if DEVICE != "cuda":
+        return
+    if not torch.cuda.is_available():
+        pytest.skip("MEGATRON_TEST_DEVICE=cuda: no CUDA device here", allow_module_level=True)
+    import importlib.util
+
+    taken = [m for m in ("transformer_engine", "apex") if importlib.util.find_spec(m)]
+    if taken:
+        pytest.skip(f"MEGATRON_TEST_DEVICE=cuda: run before {taken} is installed "
+                    "(megatron-core would not take its torch-Adam path)",
+                    allow_module_level=True)  # fmt: skip
+
+
 def to_model(model, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``tensors`` on the device of ``model``'s parameters (megatron-core's buffers)."""
     device = next(model.parameters()).device

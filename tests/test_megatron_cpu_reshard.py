@@ -45,22 +45,12 @@ from tests.test_megatron_cpu import (
     params_of,
     rank_device,
     run_ranks,
+    skip_unless_the_device_serves,
     to_model,
 )
 
 pytest.importorskip("megatron.core")
-if DEVICE == "cuda":
-    if not torch.cuda.is_available():
-        pytest.skip("MEGATRON_TEST_DEVICE=cuda: no CUDA device here", allow_module_level=True)
-    import importlib.util
-
-    # the "torch" paths are megatron-core's torch-Adam fallback: with transformer-engine
-    # or Apex installed megatron-core takes their FusedAdam instead (other step counts)
-    taken = [m for m in ("transformer_engine", "apex") if importlib.util.find_spec(m)]
-    if taken:
-        pytest.skip(f"MEGATRON_TEST_DEVICE=cuda: run before {taken} is installed "
-                    "(megatron-core would not take its torch-Adam path)",
-                    allow_module_level=True)  # fmt: skip
+skip_unless_the_device_serves()
 
 SAVED_AT, STEPS = 2, 4  # save after two steps, continue to four
 FORMATS = ("fully_reshardable", "dp_reshardable")

@@ -21,6 +21,9 @@ a checkpoint saved at one TP size and loaded at the other holds every full param
 optimizer state tensor of the saver, bit for bit (TP shards joined along their split
 dimension); the continuation equals the uninterrupted run at the new size within
 ``TOLERANCE`` (the norm's sum order), bf16 parameters bit for bit.
+
+With ``MEGATRON_TEST_DEVICE=cuda`` the same file runs on GPU 0, every rank on it over gloo
+(``scripts/gpu_session.sh reshard``; as ``tests/test_megatron_cpu_reshard.py``).
 """
 
 from __future__ import annotations
@@ -32,9 +35,22 @@ import pytest
 import torch
 
 from tests import test_megatron_cpu_reshard as reshard
-from tests.test_megatron_cpu import BF16, CLIP, LR, F, H, batch, owned_state, run_ranks
+from tests.test_megatron_cpu import (
+    BF16,
+    CLIP,
+    LR,
+    F,
+    H,
+    batch,
+    owned_state,
+    rank_device,
+    run_ranks,
+    skip_unless_the_device_serves,
+    to_model,
+)
 
 pytest.importorskip("megatron.core")
+skip_unless_the_device_serves()
 
 SAVED_AT, STEPS = 2, 4
 FULL, DP = "fully_reshardable", "dp_reshardable"
@@ -85,7 +101,8 @@ def build(option: bool, tp: int, seed: int = 11):
     ddp_config = megatron_ext.DistributedDataParallelConfig(
         per_dtype_grad_buffers=option, use_distributed_optimizer=True
     )
-    model = megatron_ext.DistributedDataParallel(tcfg, ddp_config, TPMLP())
+    module = TPMLP().to(rank_device())  # megatron-core's buffers are made on its device
+    model = megatron_ext.DistributedDataParallel(tcfg, ddp_config, module)
     ocfg = OptimizerConfig(
         optimizer="adam", lr=LR, clip_grad=CLIP, bf16=True, use_distributed_optimizer=True
     )
@@ -106,7 +123,7 @@ def fp64_norm(model) -> float:
     sums = torch.zeros(2, dtype=torch.float64)  # [TP-sharded, replicated over TP]
     for name, _, _, piece in owned_pieces(model):
         sharded = getattr(params[name], "tensor_model_parallel", False)
-        sums[0 if sharded else 1] += piece.double().square().sum()
+        sums[0 if sharded else 1] += piece.double().square().sum().cpu()
     dist.all_reduce(sums, group=ps.get_data_parallel_group())
     sharded = sums[:1].clone()
     dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
@@ -120,7 +137,7 @@ def train(model, opt, steps) -> tuple[list[float], list[float]]:
     for s in steps:
         model.zero_grad_buffer()
         opt.zero_grad()
-        model(*batch(0, s)).backward()
+        model(*to_model(model, *batch(0, s))).backward()
         model.finish_grad_sync()
         refs.append(fp64_norm(model))
         ok, norm, _ = opt.step()
@@ -148,7 +165,7 @@ def full_state(model, opt) -> dict[str, dict[str, torch.Tensor]]:
         step = torch.zeros((), dtype=torch.float32)
         for _, _, e in pieces:
             if "step" in e:
-                step = torch.maximum(step, e["step"].float())
+                step = torch.maximum(step, e["step"].float().cpu())
         dist.all_reduce(step, op=dist.ReduceOp.MAX, group=dp_group)
         full["step"] = step
         tensors = {}
@@ -158,7 +175,7 @@ def full_state(model, opt) -> dict[str, dict[str, torch.Tensor]]:
                 flat[lo:hi] = e[k]
             dist.all_reduce(flat, group=dp_group)
             tensors[k] = flat.reshape(p.shape)
-        tensors["model"] = p.detach().clone()
+        tensors["model"] = p.detach().cpu().clone()  # gathered on the host, as the rest
         for k, v in tensors.items():
             if getattr(p, "tensor_model_parallel", False) and dist.get_world_size(tp_group) > 1:
                 parts = [torch.empty_like(v) for _ in range(dist.get_world_size(tp_group))]
