@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU test machine: install the carried megatron-core wheel, then run the named steps,
 # each under its own time limit, logging to $OUT/<step>.log. Usage: gpu_session.sh STEP...
-# Steps: tests, multirank, pytest, example, reshard (tests/test_megatron_cpu_reshard.py and
-# _tp.py on the GPU, MEGATRON_TEST_DEVICE=cuda; before te), te, norm_clip, memory, train_step, offload, clip_step,
+# Steps: tests, multirank, pytest, example, reshard (tests/test_megatron_cpu_reshard.py, _tp.py
+# and _pp.py on the GPU, MEGATRON_TEST_DEVICE=cuda; before te), te, norm_clip, memory, train_step, offload, clip_step,
 # offload_step (fractions 1.0 and 0.5; OFFLOAD_STEP_ARGS replaces its --threads 4 8 16 --warmup 1
 # --reps 20 --rounds 2: about 2 minutes each at the default GPT size),
 # megatron_lm (tests/gpu/test_megatron_lm_gpu.py, -k "$MEGATRON_LM_K"; scripts from
@@ -55,7 +55,8 @@ for s in "$@"; do
       # megatron-core's own CUDA code; before `te` (its torch-Adam paths need no TE installed)
       MEGATRON_TEST_DEVICE=cuda PYTHONPATH=$PWD/tests/support/multirank:$PYTHONPATH \
         step reshard ${RESHARD_LIMIT:-500} python3 -m pytest -p no:cacheprovider -q -rfEs \
-        tests/test_megatron_cpu_reshard.py tests/test_megatron_cpu_tp.py ;;
+        tests/test_megatron_cpu_reshard.py tests/test_megatron_cpu_tp.py \
+        tests/test_megatron_cpu_pp.py ;;
     te) step te ${TE_LIMIT:-400} bash scripts/install_te.sh ;;
     megatron_lm) MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-$PWD/.megatron-lm} \
       MEGATRON_LM_TIMEOUT=${MEGATRON_LM_TIMEOUT:-150} step megatron_lm ${MEGATRON_LM_LIMIT:-400} \

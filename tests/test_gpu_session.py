@@ -13,7 +13,7 @@ echo "DEVICE=${MEGATRON_TEST_DEVICE:-} PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_
 
 def test_the_reshard_step_runs_the_cpu_resharding_files_on_cuda(tmp_path):
     """MEGATRON_TEST_DEVICE=cuda, tests/support/multirank first on PYTHONPATH (collectives
-    one by one for gloo on CUDA tensors), the CPU suite's DP and TP files themselves."""
+    one by one for gloo on CUDA tensors), the CPU suite's DP, TP and PP files themselves."""
     root = tmp_path / "repo"
     (root / "scripts").mkdir(parents=True)
     (root / ".whl").mkdir()
@@ -36,6 +36,6 @@ def test_the_reshard_step_runs_the_cpu_resharding_files_on_cuda(tmp_path):
     assert reshard.startswith(f"DEVICE=cuda PYTHONPATH={root}/tests/support/multirank:/tmp/site:")
     assert reshard.endswith(
         "-m pytest -p no:cacheprovider -q -rfEs tests/test_megatron_cpu_reshard.py "
-        "tests/test_megatron_cpu_tp.py"
+        "tests/test_megatron_cpu_tp.py tests/test_megatron_cpu_pp.py"
     )
     assert (out / "reshard.log").exists()

@@ -20,6 +20,10 @@ over the stages); PP=2 trains as PP=1 (norms, parameters and every Adam state te
 within the norm's summation order); a checkpoint saved at one PP size and loaded at the
 other holds the saver's full state bit for bit, and the continuation equals the
 uninterrupted run at the new size within ``TOLERANCE``.
+
+With ``MEGATRON_TEST_DEVICE=cuda`` the same file runs on GPU 0, every rank on it over gloo
+(``scripts/gpu_session.sh reshard``); the activations and their gradients still cross
+between the stages as host tensors.
 """
 
 from __future__ import annotations
@@ -39,9 +43,13 @@ from tests.test_megatron_cpu import (
     H,
     batch,
     owned_pieces,
+    rank_device,
+    skip_unless_the_device_serves,
+    to_model,
 )
 
 pytest.importorskip("megatron.core")
+skip_unless_the_device_serves()
 
 SAVED_AT = test_megatron_cpu_tp.SAVED_AT  # run_plan saves after 2 steps, continues to 4
 FULL, DP = "fully_reshardable", "dp_reshardable"
@@ -111,7 +119,8 @@ def build(option: bool, pp: int, seed: int = 11):
     ddp_config = megatron_ext.DistributedDataParallelConfig(
         per_dtype_grad_buffers=option, use_distributed_optimizer=True
     )
-    model = megatron_ext.DistributedDataParallel(tcfg, ddp_config, Stages())
+    module = Stages().to(rank_device())  # megatron-core's buffers are made on its device
+    model = megatron_ext.DistributedDataParallel(tcfg, ddp_config, module)
     ocfg = OptimizerConfig(
         optimizer="adam", lr=LR, clip_grad=CLIP, bf16=True, use_distributed_optimizer=True
     )
@@ -125,23 +134,25 @@ def forward_backward(model, stage, s) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    x, t = batch(0, s)
+    x, t = to_model(model, *batch(0, s))
+    # activations and their gradients cross between stages through host tensors (gloo's
+    # point-to-point ops take CPU tensors), whatever the model's device
     if stage is None:
         model(x, t).backward()
     elif stage == 0:
         h = model(x)
         nxt = ps.get_pipeline_model_parallel_next_rank()
-        dist.send(h.detach().contiguous(), dst=nxt)
-        grad = torch.empty_like(h)
+        dist.send(h.detach().cpu().contiguous(), dst=nxt)
+        grad = torch.empty(h.shape, dtype=h.dtype)
         dist.recv(grad, src=nxt)
-        h.backward(grad)
+        h.backward(grad.to(h.device))
     else:
         prev = ps.get_pipeline_model_parallel_prev_rank()
-        h = torch.empty(x.shape[0], F, dtype=torch.float32)
-        dist.recv(h, src=prev)
-        h.requires_grad_(True)
+        received = torch.empty(x.shape[0], F, dtype=torch.float32)
+        dist.recv(received, src=prev)
+        h = received.to(x.device).requires_grad_(True)
         model(h, t).backward()
-        dist.send(h.grad.contiguous(), dst=prev)
+        dist.send(h.grad.cpu().contiguous(), dst=prev)
 
 
 def fp64_norm(model) -> float:
@@ -152,7 +163,7 @@ def fp64_norm(model) -> float:
 
     total = torch.zeros(1, dtype=torch.float64)
     for _, _, _, piece in owned_pieces(model):
-        total += piece.double().square().sum()
+        total += piece.double().square().sum().cpu()
     dist.all_reduce(total, group=ps.get_data_parallel_group())
     dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
     return math.sqrt(total.item())
