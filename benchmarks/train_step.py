@@ -358,7 +358,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if child is not None:
                 child.close()
         parallel_state.destroy_model_parallel()
-    write_json(rows, args.out, NAME)
     warning = spread_warning(
         {f"{r['config']} {r['variant']}": r["step_spread"] for r in rows if "error" not in r},
         max(1, args.rounds),

@@ -231,8 +231,6 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, job: str, ar
 class _NoLog:
     """The log the jobs get on CUDA, where nothing records megatron-core's calls."""
 
-    entries: list = []
-
     def clear(self) -> None:
         pass
 

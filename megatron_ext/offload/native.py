@@ -171,7 +171,7 @@ def tasks_for(
     return result
 
 
-_BYTES = {0: 2, 2: 4}  # element size per kind
+_BYTES = {kind: dtype.itemsize for dtype, kind in KINDS.items()}  # element size per kind
 
 
 def rounds(tasks: list[Task]) -> list[list[Task]] | None:
