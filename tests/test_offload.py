@@ -990,6 +990,26 @@ def test_the_compiled_kernel_never_packs_over_gradients_not_yet_read(
     assert_same_run(stock, ours)
 
 
+def test_a_chunk_no_rounds_can_order_takes_the_torch_path(cpu_streams, monkeypatch):
+    """Where native.rounds finds no safe order for a chunk's tasks (None), that chunk is
+    updated by torch's ops: no kernel call for it, the result stock's bit for bit."""
+    from megatron_ext.offload import native
+
+    native.kernel()
+    calls = []
+    real_run = native.HostAdamW.run
+    monkeypatch.setattr(native, "rounds", lambda tasks: None)
+    monkeypatch.setattr(
+        native.HostAdamW, "run", lambda self, *a, **k: calls.append(1) or real_run(self, *a, **k)
+    )
+    stock = train(StockPlacedFp32Fixed, True, 1.0, 3, grads_fp32=True)
+    ours = train(MirrorChunkedNative, True, 1.0, 3, chunk=200, grads_fp32=True)
+    assert not calls
+    for stepper in ours[2]._chunked[0]:
+        assert stepper.native_updates == 0 and stepper.updated > 0
+    assert_same_run(stock, ours)
+
+
 def test_chunked_adamw_refuses_what_is_not_the_mirror():
     from megatron_ext.offload.step import ChunkedAdamW, Entry, chunk_spans
 

@@ -368,3 +368,20 @@ def test_rounds_refuse_what_no_order_makes_safe():
     # wider output than gradient over the same bytes: fp32 out over bf16 grads
     wide = native.tasks_for(param[:8], out[:8], torch.zeros(8), torch.zeros(8), grad[:8], 0, 0, 8)
     assert native.rounds(wide) is None
+
+
+def test_rounds_find_every_read_a_task_packs_over_when_reads_overlap():
+    """Reads that overlap (one task's gradients inside another's) leave the ends of the
+    sorted reads out of order: the search must still find the long read that a pack lands
+    on beyond the short one."""
+    staging = torch.zeros(64 * 4, dtype=torch.uint8)
+    param = torch.zeros(64)
+    grad, out = staging.view(torch.float32), staging.view(torch.bfloat16)
+    m = [torch.zeros(64) for _ in range(2)]
+    # A reads fp32 elements [0, 64) (bytes 0-256), B reads [4, 8) (bytes 16-32)
+    a = native.tasks_for(param[:64], grad[:64], m[0], m[1], None, 0, 0, 64)
+    b = native.tasks_for(param[:4], grad[4:8], m[0][:4], m[1][:4], None, 0, 0, 4)
+    # C packs into bf16 elements [20, 24): bytes 40-48, inside A's read only
+    c = [native.pack_task(param[20:24], out[20:24])]
+    tasks = a + b + c
+    assert _round_of(native.rounds(tasks), tasks) == [0, 0, 1]
