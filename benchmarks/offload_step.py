@@ -78,7 +78,7 @@ from megatron_ext.offload.step import (
     DEFAULT_CHUNK_NUMEL,
     DEFAULT_COMPUTE_NUMEL,
     ChunkedAdamW,
-    Entry,
+    HostParam,
     chunk_spans,
 )
 
@@ -161,7 +161,7 @@ class Setup:
             """Per-parameter optimizers of their own over ``views`` (their state) and the
             chunked step over ``mirror`` that steps them."""
             opts = [torch.optim.AdamW([p], fused=True, **ADAM) for p in views]
-            entries = [Entry(p, s, o, 0) for p, s, o in zip(views, local, opts, strict=True)]
+            entries = [HostParam(p, s, o, 0) for p, s, o in zip(views, local, opts, strict=True)]
             return opts, ChunkedAdamW(
                 mirror.host_params, mirror.cpu_grads, entries, spans, compute_numel,
                 moment_dtypes=moments, kernel=kernel,

@@ -22,6 +22,7 @@ from .ddp import DistributedDataParallel, LayoutMismatchError
 from .fp32 import Float16Module, cast_marked_to_fp32, mark_keep_in_fp32
 from .install import install, uninstall
 from .norm_audit import AuditResult, NormOwnershipError, audit_norm_ownership, explain_norm
+from .offload_drain import drain_offload
 from .optimizer import enable_flat_norm, get_megatron_optimizer
 from .options import MegatronOptions
 from .refusals import UnsupportedCombinationError
@@ -43,6 +44,7 @@ __all__ = [
     "Stack",
     "UnsupportedCombinationError",
     "cast_marked_to_fp32",
+    "drain_offload",
     "enable_flat_norm",
     "get_megatron_optimizer",
     "install",

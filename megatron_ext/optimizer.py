@@ -142,6 +142,8 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
                 chunk_numel=options.offload_chunk_numel,
                 threads=options.offload_threads,
                 convert_on_device=options.offload_convert == "device",
+                delayed_update=options.offload_delayed_update,
+                delay_warmup=options.offload_delay_warmup,
             )
         # Norm and scale launches over these fixed spans, replayed as CUDA graphs.
         child._flat_norm_clip = NormClip(

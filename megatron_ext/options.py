@@ -20,7 +20,8 @@ class MegatronOptions(BufferOptions):
             optimizers, one after another, after the whole block has arrived) or
             ``"chunked"`` (:mod:`megatron_ext.offload.step`: the same fused kernel over
             chunks of the mirror, each chunk's copies overlapping other chunks' updates; bit
-            for bit the same results). ``"chunked"`` is opt-in until it has run on a GPU.
+            for bit the same results; the default with host mirrors, and the only step
+            without them is ``"per_parameter"``).
         offload_chunk_numel: with ``"chunked"``, about how many elements one chunk holds.
         offload_threads: torch's intra-op threads while the offloaded optimizer steps (the
             CPU update runs on them); None leaves torch's setting (``OMP_NUM_THREADS``,
@@ -32,18 +33,34 @@ class MegatronOptions(BufferOptions):
             ways, and the CPU only runs the optimizer: no conversion or packing pass; the
             same bits, since bf16 to fp32 is exact and both sides round fp32 to bf16 to
             nearest even). ``"device"`` needs ``offload_step="chunked"`` (the GPU converts
-            into an fp32 temporary per chunk copy) and is opt-in until it has been
-            measured on a GPU.
+            into an fp32 temporary per chunk copy).
+        offload_delayed_update: with ``"chunked"``, the host update of step t runs on a
+            worker thread beside the forward and backward of step t+1, which read the
+            host-updated parameters as step t-1 left them (ZeRO-Offload's one-step delayed
+            update; norm, clip and skip stay step t's own). GPU-resident parameters
+            (offload fraction below 1) are not delayed. A checkpoint save lands the update
+            in flight; call :func:`megatron_ext.drain_offload` before reading parameters
+            outside the loop. [Note: the delayed offloaded update] in
+            :mod:`megatron_ext.offload.chunked` says exactly what runs when.
+        offload_delay_warmup: with ``offload_delayed_update``, how many steps (by the
+            optimizer's step count, so not again after a resume) run exact first.
+        offload_threads: with ``offload_delayed_update`` and None, every usable core but
+            one (the one launching the GPU's work keeps it).
     """
 
     host_mirrors: bool = True
-    offload_step: str = "per_parameter"
+    offload_step: str | None = None  # None: "chunked" with host mirrors, else "per_parameter"
     offload_chunk_numel: int = 4 * 2**20
     offload_threads: int | None = None
     offload_convert: str = "host"
+    offload_delayed_update: bool = False
+    offload_delay_warmup: int = 10
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.offload_step is None:  # the default for the copies in use
+            step = "chunked" if self.host_mirrors else "per_parameter"
+            object.__setattr__(self, "offload_step", step)
         if self.offload_step not in OFFLOAD_STEPS:
             raise ValueError(f"offload_step={self.offload_step!r}; expected one of {OFFLOAD_STEPS}")
         if self.offload_step == "chunked" and not self.host_mirrors:
@@ -62,6 +79,17 @@ class MegatronOptions(BufferOptions):
                 "offload_convert='device' needs offload_step='chunked' (the GPU converts "
                 "into fp32 temporaries the size of each copy, which are whole blocks in the "
                 "per-parameter step); add offload_step='chunked' or use offload_convert='host'"
+            )
+        if self.offload_delayed_update and self.offload_step != "chunked":
+            raise ValueError(
+                "offload_delayed_update=True runs the chunked step; use offload_step='chunked' "
+                "(the default) or drop offload_delayed_update"
+            )
+        warmup = self.offload_delay_warmup
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise ValueError(
+                f"offload_delay_warmup={warmup!r}; expected an int >= 0 (exact steps before "
+                "the delayed update starts)"
             )
         threads = self.offload_threads
         if threads is not None and (

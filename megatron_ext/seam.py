@@ -309,8 +309,9 @@ ENTRIES: tuple[Entry, ...] = (
                  "fp32_param_to_orig_param", "param_to_inner_param", "state",
                  "sub_optimizers")),
     Entry("hdo placement", f"{_HDO}:HybridDeviceOptimizer._get_sub_optimizer_param_groups",
-          "override", "reuses the placement already made (the tuple megatron-core's returns, "
-          "from the attributes its caller unpacks it into)", "no second copy of every parameter",
+          "override", "while the sub-optimizers are rebuilt at attach time: the placement "
+          "already made (the tuple megatron-core's returns, from the attributes its caller "
+          "unpacks it into)", "no second copy of every parameter",
           params=("offload_fraction",),
           returns=("cpu_param_groups", "gpu_param_groups", "gpu_params_map_cpu_copy",
                    "cpu_copys_map_gpu_param", "param_to_fp32_param")),
@@ -323,9 +324,21 @@ ENTRIES: tuple[Entry, ...] = (
           "one device-to-host copy per block", "as above", params=()),
     Entry("hdo step", f"{_HDO}:HybridDeviceOptimizer.step", "override",
           "with offload_step='chunked', the CPU update runs chunk by chunk over the host "
-          "mirrors (megatron_ext.offload.step), pipelined with the copies; else megatron-core's",
+          "mirrors (megatron_ext.offload.step), pipelined with the copies, in series or "
+          "(offload_delayed_update) one step late on a host worker; else megatron-core's",
           "per-parameter CPU steps wait for the whole block and serialize the copies",
           params=("closure=",)),
+    Entry("hdo state_dict", f"{_HDO}:HybridDeviceOptimizer.state_dict", "override",
+          "lands a delayed update in flight first, then torch's",
+          "a checkpoint holds every update its step count says", params=()),
+    Entry("hdo load_state_dict", f"{_HDO}:HybridDeviceOptimizer.load_state_dict", "override",
+          "waits for a delayed update in flight and drops it, then torch's (megatron-core's "
+          "hooks)", "the loaded state replaces what it would write", params=("state_dict",)),
+    Entry("distopt main to model params",
+          f"{_DIST}:DistributedOptimizer._copy_main_params_to_model_params", "call",
+          "after a delayed offloaded update lands outside a step (megatron_ext.drain_offload)",
+          "megatron-core copies main to model parameters only after its inner step",
+          params=()),
     Entry("hdo load", f"{_HDO}:HybridDeviceOptimizer._update_fp32_params_by_new_state",
           "override", "loads natively fp32 parameters too",
           "0.19.2 raises KeyError for them when loading a checkpoint", params=()),

@@ -52,6 +52,7 @@ from . import seam, wgrad_fusion
 from .config import DistributedDataParallelConfig
 from .ddp import DistributedDataParallel
 from .fp32 import Float16Module, mark_keep_in_fp32
+from .offload_drain import drain_offload
 from .optimizer import get_megatron_optimizer
 
 FIRST_VERSION = (0, 19)  # pretrain(cfg_container, ...): the loop these entries patch
@@ -68,9 +69,11 @@ class TrainOptions:
     per_dtype_grad_buffers: bool = False
     keep_in_fp32_params: tuple[str, ...] = ()
     log_per_layer_grad_norm: bool = False
-    offload_step: str = "per_parameter"
+    offload_step: str = "chunked"
     offload_threads: int | None = None
     offload_convert: str = "host"
+    offload_delayed_update: bool = False
+    offload_delay_warmup: int = 10
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainOptions:
@@ -78,21 +81,27 @@ class TrainOptions:
             per_dtype_grad_buffers=bool(getattr(args, "per_dtype_grad_buffers", False)),
             keep_in_fp32_params=tuple(getattr(args, "keep_in_fp32_params", None) or ()),
             log_per_layer_grad_norm=bool(getattr(args, "log_per_layer_grad_norm", False)),
-            offload_step=getattr(args, "offload_step", None) or "per_parameter",
+            offload_step=getattr(args, "offload_step", None) or "chunked",
             offload_threads=getattr(args, "offload_threads", None),
             offload_convert=getattr(args, "offload_convert", None) or "host",
+            offload_delayed_update=bool(getattr(args, "offload_delayed_update", False)),
+            offload_delay_warmup=_given(getattr(args, "offload_delay_warmup", None), 10),
         )
 
     @property
     def offload_flags(self) -> list[str]:
         """Our offload flags that were given (they need --per-dtype-grad-buffers)."""
         out = []
-        if self.offload_step != "per_parameter":
+        if self.offload_step != "chunked":
             out.append(f"--offload-step {self.offload_step}")
         if self.offload_threads is not None:
             out.append(f"--offload-threads {self.offload_threads}")
         if self.offload_convert != "host":
             out.append(f"--offload-convert {self.offload_convert}")
+        if self.offload_delayed_update:
+            out.append("--offload-delayed-update")
+        if self.offload_delay_warmup != 10:
+            out.append(f"--offload-delay-warmup {self.offload_delay_warmup}")
         return out
 
     @property
@@ -112,7 +121,14 @@ class TrainOptions:
             offload_step=self.offload_step,
             offload_threads=self.offload_threads,
             offload_convert=self.offload_convert,
+            offload_delayed_update=self.offload_delayed_update,
+            offload_delay_warmup=self.offload_delay_warmup,
         )
+
+
+def _given(value, default):
+    """``value``, or ``default`` where the flag was not parsed (None); 0 is a value."""
+    return default if value is None else value
 
 
 def split_patterns(text: str) -> list[str]:
@@ -154,6 +170,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
     return value
 
 
@@ -219,8 +246,25 @@ FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
         ("--offload-step",),
         dict(
             choices=("per_parameter", "chunked"),
-            default="per_parameter",
-            help="with --optimizer-cpu-offload: CPU update per parameter, or chunked (opt-in)",
+            default="chunked",
+            help="with --optimizer-cpu-offload: CPU update chunked over the host mirrors "
+            "(default), or per parameter",
+        ),
+    ),
+    (
+        ("--offload-delayed-update",),
+        dict(
+            action="store_true",
+            help="with --optimizer-cpu-offload: host update beside the next step (one late)",
+        ),
+    ),
+    (
+        ("--offload-delay-warmup",),
+        dict(
+            type=non_negative_int,
+            default=10,
+            metavar="N",
+            help="with --offload-delayed-update: exact steps first (default: 10)",
         ),
     ),
     (
@@ -284,6 +328,18 @@ class TrainingPatches:
 
     def __init__(self) -> None:
         self._saved: list[tuple[str, object, str, object]] = []
+        self.optimizers: list = []  # the optimizers the replaced builder made
+
+    def drain(self, *, quiet: bool = False) -> None:
+        """Land every delayed offloaded update in flight (:func:`megatron_ext.drain_offload`);
+        ``quiet``: an error is printed, not raised (the loop is already leaving by one)."""
+        for optimizer in self.optimizers:
+            try:
+                drain_offload(optimizer)
+            except Exception as error:
+                if not quiet:
+                    raise
+                print(f"megatron_ext.train: draining the offloaded update failed: {error}")
 
     @property
     def applied(self) -> tuple[str, ...]:
@@ -300,6 +356,7 @@ class TrainingPatches:
         """Take over ``other``'s replacements: :meth:`remove` undoes them too (first)."""
         self._saved += other._saved
         other._saved = []
+        self.optimizers = other.optimizers
 
     def remove(self) -> None:
         """Restore every binding, last replaced first."""
@@ -345,7 +402,7 @@ def enable(args: argparse.Namespace) -> TrainingPatches:
         patches.replace(
             "training fp32 islands", _keeping_fp32(original, options.keep_in_fp32_params, built)
         )
-    patches.replace("training optimizer", _checked_optimizer(options, built))
+    patches.replace("training optimizer", _checked_optimizer(options, built, patches.optimizers))
     if options.log_per_layer_grad_norm:
         patches.replace("training step", _logging_per_layer(seam.target("training step"), args))
     _print_rank_0(
@@ -391,6 +448,11 @@ def main(argv: list[str] | None = None) -> None:
     patches = install()
     try:
         runpy.run_path(str(script), run_name="__main__")
+    except BaseException:
+        patches.drain(quiet=True)  # no host update left running when the loop fails
+        raise
+    else:
+        patches.drain()
     finally:
         patches.remove()
 
@@ -572,7 +634,7 @@ def _check_every_pattern_matched(patterns, marked, model_list, transformer_confi
         )
 
 
-def _checked_optimizer(options: TrainOptions, built: _BuildRecord):
+def _checked_optimizer(options: TrainOptions, built: _BuildRecord, made: list | None = None):
     stock = seam.target("training optimizer")
 
     def build_optimizer(config, model_chunks, *args, **kwargs):
@@ -603,6 +665,8 @@ def _checked_optimizer(options: TrainOptions, built: _BuildRecord):
                 ", not a ChainedOptimizer, so its step cannot compute per-parameter norms; "
                 "drop --log-per-layer-grad-norm"
             )
+        if made is not None:
+            made.append(optimizer)
         return optimizer
 
     return build_optimizer

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU test machine: install the carried megatron-core wheel, then run the named steps,
 # each under its own time limit, logging to $OUT/<step>.log. Usage: gpu_session.sh STEP...
-# Steps: tests, multirank, pytest, example, reshard (tests/test_megatron_cpu_reshard.py, _tp.py
+# Steps: tests, multirank, pytest, example, offload_overlap, reshard (tests/test_megatron_cpu_reshard.py, _tp.py
 # and _pp.py on the GPU, MEGATRON_TEST_DEVICE=cuda; before te), te, norm_clip, memory, train_step, offload, clip_step,
 # offload_step (fractions 1.0 and 0.5; OFFLOAD_STEP_ARGS replaces its --threads 4 8 16 --warmup 1
 # --reps 20 --rounds 2: about 2 minutes each at the default GPT size),
@@ -71,6 +71,12 @@ for s in "$@"; do
     norm_clip|memory|train_step|offload|clip_step)
       extra=(); [ "$s" = norm_clip ] && read -ra extra <<< "${NORM_CLIP_ARGS:---scaling-counts 80,1000,10000}"
       step "$s" ${BENCH_LIMIT:-300} python3 "benchmarks/$s.py" --device cuda --out "$OUT/bench" "${extra[@]}" ;;
+    offload_overlap)  # training steps at 1/4/8 micro-batches: GPU-resident, stock offload,
+      # ours exact and delayed, fractions 1.0 and 0.5; OFFLOAD_OVERLAP_ARGS replaces
+      # --loss-steps 200 (the loss curves of exact vs delayed)
+      read -ra extra <<< "${OFFLOAD_OVERLAP_ARGS:---loss-steps 200}"
+      step offload_overlap ${BENCH_LIMIT:-300} python3 benchmarks/offload_overlap.py --device cuda \
+        --out "$OUT/bench" "${extra[@]}" ;;
     offload_step)  # fractions 1.0 and 0.5, each at several CPU thread counts
       read -ra extra <<< "${OFFLOAD_STEP_ARGS:---threads 4 8 16 --warmup 1 --reps 20 --rounds 2}"
       for f in 1.0 0.5; do

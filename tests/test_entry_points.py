@@ -24,6 +24,8 @@ OUR_FLAGS = (
     "--keep-in-fp32-params",
     "--log-per-layer-grad-norm",
     "--offload-step",
+    "--offload-delayed-update",
+    "--offload-delay-warmup",
     "--offload-threads",
 )
 
@@ -80,7 +82,11 @@ class _Ran(Exception):
         ),
         (["--per-dtype-grad-buffers", "--optimizer=muon"], "--optimizer muon"),
         (["--log-per-layer-grad-norm"], "needs --per-dtype-grad-buffers"),
-        (["--offload-step", "chunked"], "--offload-step chunked needs --per-dtype-grad-buffers"),
+        (
+            ["--offload-step", "per_parameter"],
+            "--offload-step per_parameter needs --per-dtype-grad-buffers",
+        ),
+        (["--offload-delayed-update"], "--offload-delayed-update needs --per-dtype-grad-buffers"),
         (["--offload-threads=8"], "--offload-threads 8 needs --per-dtype-grad-buffers"),
     ],
 )

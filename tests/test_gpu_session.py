@@ -39,3 +39,32 @@ def test_the_reshard_step_runs_the_cpu_resharding_files_on_cuda(tmp_path):
         "tests/test_megatron_cpu_tp.py tests/test_megatron_cpu_pp.py"
     )
     assert (out / "reshard.log").exists()
+
+
+def test_the_offload_overlap_step_runs_the_benchmark_with_its_loss_curves(tmp_path):
+    """The step runs benchmarks/offload_overlap.py on CUDA into $OUT/bench with 200-step
+    loss curves, and OFFLOAD_OVERLAP_ARGS replaces those arguments."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    (root / ".whl").mkdir()
+    (root / ".whl" / "megatron_core-0.19.2-py3-none-any.whl").write_bytes(b"w")
+    shutil.copy(Path(__file__).resolve().parents[1] / "scripts" / "gpu_session.sh",
+                root / "scripts")  # fmt: skip
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(RECORDING_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    log, out = tmp_path / "calls", tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+               STUB_LOG=str(log), OUT=str(out))  # fmt: skip
+    for extra, expected in ((None, "--loss-steps 200"), ("--micro-batches 8", "--micro-batches 8")):
+        env.pop("OFFLOAD_OVERLAP_ARGS", None)
+        if extra is not None:
+            env["OFFLOAD_OVERLAP_ARGS"] = extra
+        proc = subprocess.run(["bash", "scripts/gpu_session.sh", "offload_overlap"], cwd=root,
+                              env=env, capture_output=True, text=True)  # fmt: skip
+        assert "=== offload_overlap exit 0" in proc.stdout, proc.stdout + proc.stderr
+        call = log.read_text().splitlines()[-1]
+        assert call.endswith(
+            f"benchmarks/offload_overlap.py --device cuda --out {out}/bench {expected}"
+        ), call

@@ -28,7 +28,7 @@ from megatron_ext.ddp import DistributedDataParallel
 from megatron_ext.layout import buffer_layout
 from megatron_ext.offload import offload_sources, source_mirror
 from megatron_ext.offload.host_mirror import chunk_copies
-from megatron_ext.offload.step import ChunkedAdamW, Entry, chunk_spans
+from megatron_ext.offload.step import ChunkedAdamW, HostParam, chunk_spans
 from megatron_ext.opt_state import _build_state
 from megatron_ext.param_norms import MegatronParamNorms
 from tests.test_megatron_distopt_ranks import BF16, FP32, child_for_rank
@@ -287,7 +287,7 @@ def _kernel_reads(mirror, mine, runs, copies, compute, kernel="torch"):
     for _, span in mine:
         data, _ = mirror.cpu_views(span)
         opt = torch.optim.AdamW([data], fused=True)
-        entries.append(Entry(data, mirror.layout.local(span), opt, 0))
+        entries.append(HostParam(data, mirror.layout.local(span), opt, 0))
     stepper = ChunkedAdamW(
         mirror.host_params, mirror.cpu_grads, entries, [r for _, r in runs], compute,
         kernel=kernel,

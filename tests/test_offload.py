@@ -582,8 +582,6 @@ def test_attach_with_the_chunked_step_trains_as_the_per_parameter_one(cpu_stream
 def test_threads_are_set_for_the_step_and_restored(cpu_streams, monkeypatch):
     import warnings as w
 
-    from megatron_ext.offload import hybrid
-
     seen = []
     real_step = HybridDeviceOptimizer.step
 
@@ -619,6 +617,7 @@ def test_threads_are_set_for_the_step_and_restored(cpu_streams, monkeypatch):
     assert counts and set(counts) == {other} and torch.get_num_threads() == before
     # the compiled kernel is handed the same number of threads
     from megatron_ext.offload import native
+    from megatron_ext.offload import threads as offload_threads
 
     handed = []
     real_run = native.HostAdamW.run
@@ -630,26 +629,26 @@ def test_threads_are_set_for_the_step_and_restored(cpu_streams, monkeypatch):
     child.optimizer.offload_kernel = "native"
     child.optimizer.step()
     assert handed and set(handed) == {other} and torch.get_num_threads() == before
-    with hybrid.cpu_threads(None):
+    with offload_threads.cpu_threads(None):
         assert torch.get_num_threads() == before
 
 
 def test_one_thread_of_several_cores_is_warned_about(cpu_streams, monkeypatch):
     import warnings as w
 
-    from megatron_ext.offload import hybrid
+    from megatron_ext.offload import threads
 
-    monkeypatch.setattr(hybrid, "usable_cores", lambda: 16)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
     with pytest.warns(UserWarning, match=r"1 thread of the 16 cores.*offload_threads=N"):
         offload.attach_host_mirrors(_distopt_shaped(True, 1, 0), threads=1)
     with w.catch_warnings():
         w.simplefilter("error")
         offload.attach_host_mirrors(_distopt_shaped(True, 1, 0), threads=4)
-    monkeypatch.setattr(hybrid, "usable_cores", lambda: 1)
-    assert hybrid.threads_warning(1) is None
+    monkeypatch.setattr(threads, "usable_cores", lambda: 1)
+    assert threads.threads_warning(1) is None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr(hybrid, "usable_cores", lambda: 8)
-    assert "1 thread of the 8 cores" in hybrid.threads_warning(None)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 8)
+    assert "1 thread of the 8 cores" in threads.threads_warning(None)
 
 
 def test_attach_ignores_optimizers_without_offload():
@@ -1011,25 +1010,25 @@ def test_a_chunk_no_rounds_can_order_takes_the_torch_path(cpu_streams, monkeypat
 
 
 def test_chunked_adamw_refuses_what_is_not_the_mirror():
-    from megatron_ext.offload.step import ChunkedAdamW, Entry, chunk_spans
+    from megatron_ext.offload.step import ChunkedAdamW, HostParam, chunk_spans
 
     host, grads = torch.zeros(100), torch.zeros(100)
     p = host[10:30].view(4, 5)
     opt = torch.optim.AdamW([p], fused=True)
-    ChunkedAdamW(host, grads, [Entry(p, S(10, 30), opt, 0)], [S(0, 50), S(50, 100)])
+    ChunkedAdamW(host, grads, [HostParam(p, S(10, 30), opt, 0)], [S(0, 50), S(50, 100)])
     with pytest.raises(ValueError, match="not the mirror's view at"):
-        ChunkedAdamW(host, grads, [Entry(p, S(11, 31), opt, 0)], [S(0, 100)])
+        ChunkedAdamW(host, grads, [HostParam(p, S(11, 31), opt, 0)], [S(0, 100)])
     with pytest.raises(ValueError, match="not the mirror's view at"):
-        ChunkedAdamW(host, grads, [Entry(torch.zeros(20), S(10, 30), opt, 0)], [S(0, 100)])
+        ChunkedAdamW(host, grads, [HostParam(torch.zeros(20), S(10, 30), opt, 0)], [S(0, 100)])
     with pytest.raises(ValueError, match="cover every parameter exactly once"):
-        ChunkedAdamW(host, grads, [Entry(p, S(10, 30), opt, 0)], [S(0, 20)])
+        ChunkedAdamW(host, grads, [HostParam(p, S(10, 30), opt, 0)], [S(0, 20)])
     with pytest.raises(ValueError, match="cover every parameter exactly once"):
-        ChunkedAdamW(host, grads, [Entry(p, S(10, 30), opt, 0)], [S(0, 25), S(20, 40)])
+        ChunkedAdamW(host, grads, [HostParam(p, S(10, 30), opt, 0)], [S(0, 25), S(20, 40)])
     other = host[25:35]
     with pytest.raises(ValueError, match="overlap in the mirror"):
         ChunkedAdamW(
             host, grads,
-            [Entry(p, S(10, 30), opt, 0), Entry(other, S(25, 35), opt, 0)], [S(0, 100)],
+            [HostParam(p, S(10, 30), opt, 0), HostParam(other, S(25, 35), opt, 0)], [S(0, 100)],
         )  # fmt: skip
     with pytest.raises(ValueError, match="flat tensors alike"):
         ChunkedAdamW(host, grads.double(), [], [])
@@ -1055,7 +1054,7 @@ def test_chunked_adamw_refuses_what_is_not_the_mirror():
 def test_chunked_adamw_equals_torch_fused_adamw_per_parameter_in_fp64_terms():
     """Against torch's own AdamW(fused=True), one optimizer per parameter, and an fp64
     AdamW computed here from the formula (fresh random data, two hyperparameter sets)."""
-    from megatron_ext.offload.step import ChunkedAdamW, Entry, chunk_spans
+    from megatron_ext.offload.step import ChunkedAdamW, HostParam, chunk_spans
 
     gen = torch.Generator().manual_seed(0)
     sizes, gaps = [5, 17, 1, 33, 8], [0, 3, 0, 2, 7]
@@ -1070,7 +1069,7 @@ def test_chunked_adamw_equals_torch_fused_adamw_per_parameter_in_fp64_terms():
         cfg = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd, fused=True)
         opts.append(torch.optim.AdamW([view], **cfg))
         ref.append((twin, torch.optim.AdamW([twin], **cfg)))
-        entries.append(Entry(view, S(at, at + size), opts[-1], 0))
+        entries.append(HostParam(view, S(at, at + size), opts[-1], 0))
         f64.append(
             [
                 view.double().clone(),
@@ -1121,7 +1120,7 @@ def test_offload_checkpoints_load_with_the_weights_only_unpickler(tmp_path):
 
     script = f"""
 import types, torch
-from megatron_ext.offload.hybrid import allow_optimizer_classes_in_checkpoints
+from megatron_ext.offload.checkpoint_classes import allow_optimizer_classes_in_checkpoints
 path = {str(tmp_path / "common.pt")!r}
 torch.save({{"param_groups": [{{"lr": 0.1, "cpu_optimizer_cls": torch.optim.AdamW,
                                 "gpu_optimizer_cls": torch.optim.Adam}}]}}, path)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from buffers.spans import Span
-from megatron_ext.offload.hybrid import offload_moment_dtypes
-from megatron_ext.offload.step import ChunkedAdamW, Entry, chunk_spans
+from megatron_ext.offload.moment_dtypes import offload_moment_dtypes
+from megatron_ext.offload.step import ChunkedAdamW, HostParam, chunk_spans
 from tests.support.offload_sim import (
     MirrorChunked,
     recording_streams,
@@ -54,7 +54,7 @@ def _stepper(sizes, chunk, compute, gen):
     for at, size in zip(start, sizes, strict=True):
         data = host[at : at + size]
         opt = torch.optim.AdamW([data], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
-        entries.append(Entry(data, Span(at, at + size), opt, 0, family=0))
+        entries.append(HostParam(data, Span(at, at + size), opt, 0, family=0))
     runs = chunk_spans([Span(0, n)], chunk, [e.local for e in entries])
     grads = torch.zeros(n)
     stepper = ChunkedAdamW(

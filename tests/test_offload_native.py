@@ -13,7 +13,7 @@ import torch
 from buffers import native as buffers_native
 from buffers.spans import Span
 from megatron_ext.offload import native
-from megatron_ext.offload.step import ChunkedAdamW, Entry, chunk_spans
+from megatron_ext.offload.step import ChunkedAdamW, HostParam, chunk_spans
 
 BF16 = torch.bfloat16
 needs_cc = pytest.mark.skipif(
@@ -175,7 +175,7 @@ def _stepper(sizes, chunk, compute, gen, kernel, moments):
     ]
     opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
     entries = [
-        Entry(p, Span(s, s + p.numel()), opt, i % 2)
+        HostParam(p, Span(s, s + p.numel()), opt, i % 2)
         for i, (p, s) in enumerate(zip(params, starts, strict=True))
     ]
     runs = chunk_spans([Span(0, pos)], chunk, [e.local for e in entries])

@@ -182,6 +182,8 @@ def test_options_reach_every_child(monkeypatch, host_mirrors, step, convert):
         chunk_numel=99,
         threads=None,
         convert_on_device=convert == "device",
+        delayed_update=False,
+        delay_warmup=10,
     )
     assert attached == ([(child, want)] if host_mirrors else [])
     assert child._flat_norm_clip.options is options

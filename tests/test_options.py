@@ -59,7 +59,10 @@ def test_flat_grad_buffers_take_options():
 
 
 def test_offload_step_choices_are_checked():
-    assert MegatronOptions().offload_step == "per_parameter"
+    # chunked by default over host mirrors; without them the per-parameter step is the one
+    assert MegatronOptions().offload_step == "chunked"
+    assert MegatronOptions(host_mirrors=False).offload_step == "per_parameter"
+    assert MegatronOptions(offload_step="per_parameter").offload_step == "per_parameter"
     assert MegatronOptions(offload_step="chunked").offload_chunk_numel == 4 * 2**20
     with pytest.raises(ValueError, match=r"offload_step='fast'; expected one of"):
         MegatronOptions(offload_step="fast")
@@ -76,10 +79,24 @@ def test_offload_convert_choices_are_checked():
     assert device.offload_convert == "device"
     with pytest.raises(ValueError, match=r"offload_convert='gpu'; expected one of"):
         MegatronOptions(offload_convert="gpu")
+    assert MegatronOptions(offload_convert="device").offload_step == "chunked"
     with pytest.raises(ValueError, match="needs offload_step='chunked'"):
-        MegatronOptions(offload_convert="device")
+        MegatronOptions(offload_convert="device", offload_step="per_parameter")
     with pytest.raises(ValueError, match="runs over host mirrors"):
         MegatronOptions(offload_convert="device", offload_step="chunked", host_mirrors=False)
+
+
+def test_delayed_update_options_are_checked():
+    assert MegatronOptions().offload_delayed_update is False
+    on = MegatronOptions(offload_delayed_update=True, offload_delay_warmup=0)
+    assert (on.offload_step, on.offload_delay_warmup) == ("chunked", 0)
+    with pytest.raises(ValueError, match="offload_delayed_update=True runs the chunked step"):
+        MegatronOptions(offload_delayed_update=True, offload_step="per_parameter")
+    with pytest.raises(ValueError, match="offload_delayed_update=True runs the chunked step"):
+        MegatronOptions(offload_delayed_update=True, host_mirrors=False)
+    for bad in (-1, 2.5, True, "3"):
+        with pytest.raises(ValueError, match="offload_delay_warmup=.*int >= 0"):
+            MegatronOptions(offload_delay_warmup=bad)
 
 
 def test_offload_threads_are_checked():

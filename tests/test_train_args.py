@@ -116,26 +116,37 @@ def test_the_script_is_found_under_megatron_lm_path(tmp_path, monkeypatch):
         train.find_script("pretrain_gpt.py")
 
 
-def test_offload_flags_parse_and_need_the_buffers(capsys):
-    default = train.TrainOptions.from_args(parser().parse_args([]))
-    assert (default.offload_step, default.offload_threads, default.on) == (
-        "per_parameter",
-        None,
-        False,
-    )
-    assert default.megatron_options() == train_options(offload_step="per_parameter")
-    args = parser().parse_args(["--offload-step", "chunked", "--offload-threads", "6"])
+def test_delayed_update_flags_reach_the_options():
+    args = parser().parse_args(["--offload-delayed-update", "--offload-delay-warmup", "3"])
     options = train.TrainOptions.from_args(args)
-    assert options.on and options.offload_flags == ["--offload-step chunked", "--offload-threads 6"]
+    assert options.on
+    assert options.offload_flags == ["--offload-delayed-update", "--offload-delay-warmup 3"]
     got = options.megatron_options()
-    assert (got.offload_step, got.offload_threads, got.host_mirrors) == ("chunked", 6, True)
+    assert (got.offload_delayed_update, got.offload_delay_warmup) == (True, 3)
+    zero = train.TrainOptions.from_args(parser().parse_args(["--offload-delay-warmup", "0"]))
+    assert zero.megatron_options().offload_delay_warmup == 0
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--offload-delay-warmup", "-1"])
     with pytest.raises(train.UnsupportedTrainingOptionError, match="needs --per-dtype-grad"):
         train.enable(args)
-    device = train.TrainOptions.from_args(
-        parser().parse_args(["--offload-step", "chunked", "--offload-convert", "device"])
-    )
+
+
+def test_offload_flags_parse_and_need_the_buffers(capsys):
+    default = train.TrainOptions.from_args(parser().parse_args([]))
+    assert (default.offload_step, default.offload_threads, default.on) == ("chunked", None, False)
+    assert default.megatron_options() == train_options(offload_step="chunked")
+    assert not default.offload_delayed_update and default.offload_delay_warmup == 10
+    args = parser().parse_args(["--offload-step", "per_parameter", "--offload-threads", "6"])
+    options = train.TrainOptions.from_args(args)
+    assert options.on
+    assert options.offload_flags == ["--offload-step per_parameter", "--offload-threads 6"]
+    got = options.megatron_options()
+    assert (got.offload_step, got.offload_threads, got.host_mirrors) == ("per_parameter", 6, True)
+    with pytest.raises(train.UnsupportedTrainingOptionError, match="needs --per-dtype-grad"):
+        train.enable(args)
+    device = train.TrainOptions.from_args(parser().parse_args(["--offload-convert", "device"]))
     assert device.on
-    assert device.offload_flags == ["--offload-step chunked", "--offload-convert device"]
+    assert device.offload_flags == ["--offload-convert device"]
     assert device.megatron_options().offload_convert == "device"
     assert default.megatron_options().offload_convert == "host"
     for bad, why in (

@@ -256,14 +256,24 @@ def test_per_layer_logging_refuses_an_optimizer_without_per_parameter_norms(monk
 def test_the_offload_flags_reach_the_optimizer(monkeypatch):
     chunk = torch.nn.Linear(2, 2)
     chunk.per_dtype_grad_buffers = True
-    options = train.TrainOptions(True, (), offload_step="chunked", offload_threads=3)
-    build = train._checked_optimizer(options, train._BuildRecord())
+    options = train.TrainOptions(
+        True, (), offload_step="per_parameter", offload_threads=3, offload_delay_warmup=0
+    )
+    made = []
+    build = train._checked_optimizer(options, train._BuildRecord(), made)
     seen = {}
     monkeypatch.setattr(train, "get_megatron_optimizer", lambda *a, **k: seen.update(k) or "opt")
     assert build(None, [chunk], "positional", extra=1) == "opt"
-    assert seen["extra"] == 1
-    assert (seen["options"].offload_step, seen["options"].offload_threads) == ("chunked", 3)
-    assert "--offload-step chunked --offload-threads 3" in train._describe(options)
+    assert seen["extra"] == 1 and made == ["opt"]  # what the run drains at its end
+    got = seen["options"]
+    assert (got.offload_step, got.offload_threads, got.offload_delay_warmup) == (
+        "per_parameter",
+        3,
+        0,
+    )
+    described = train._describe(options)
+    assert "--offload-step per_parameter --offload-threads 3" in described
+    assert "--offload-delay-warmup 0" in described
 
 
 @pytest.mark.parametrize("makefile", [False, True])
@@ -339,3 +349,34 @@ def test_pretrain_gpt_parses_our_flags():
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "argument --keep-in-fp32-params: 'x[' is not a regular expression" in proc.stderr
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_run_drains_the_offloaded_update_at_its_end_and_when_it_fails(
+    tmp_path, monkeypatch, capsys, fails
+):
+    """The entry point lands a delayed offloaded update still in flight when the script
+    ends, and when it leaves by an exception (that exception is what the caller sees; a
+    drain that fails then is printed, not raised over it)."""
+    script = tmp_path / "pretrain_fake.py"
+    script.write_text("raise RuntimeError('the loop failed')\n" if fails else "x = 1\n")
+    drained = []
+
+    def drain(opt):
+        drained.append(opt)
+        if fails:
+            raise RuntimeError("worker failed too")
+        return 1
+
+    patches = train.TrainingPatches()
+    patches.optimizers.append("opt")
+    monkeypatch.setattr(train, "install", lambda: patches)
+    monkeypatch.setattr(train, "drain_offload", drain)
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    if fails:
+        with pytest.raises(RuntimeError, match="the loop failed"):
+            train.main([str(script), "--no-gradient-accumulation-fusion"])
+        assert "draining the offloaded update failed: worker failed too" in capsys.readouterr().out
+    else:
+        train.main([str(script), "--no-gradient-accumulation-fusion"])
+    assert drained == ["opt"]

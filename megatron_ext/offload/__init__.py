@@ -4,20 +4,20 @@ The flow, one module each:
 
 - :mod:`.plan`: which elements of a buffer move, in which blocks, laid out where, and
   when each block's copies run (pure data, testable on the CPU);
+- :mod:`.sources`: per buffer of a distributed optimizer, what its mirror is built from;
 - :mod:`.host_mirror`: the tensors: one pinned staging tensor per buffer, the host
   parameters and gradients, the per-block copies, built once;
-- :mod:`.step`: the CPU update over a mirror's blocks, in chunks, pipelined with the copies;
+- :mod:`.step`: the CPU update over a mirror's blocks, in chunks (:mod:`.native`: its
+  compiled kernel);
+- :mod:`.chunked`: the chunked step's driver, exact or one step late;
 - :mod:`.hybrid`: megatron-core's ``HybridDeviceOptimizer`` driving the above
-  (:func:`attach_host_mirrors`).
+  (:func:`attach_host_mirrors`; :func:`megatron_ext.drain_offload` lands a delayed update);
+- :mod:`.threads`, :mod:`.moment_dtypes`, :mod:`.checkpoint_classes`: the host threads,
+  the Adam moment dtypes read from megatron-core's config, loading its checkpoints.
 """
 
-from .hybrid import (
-    HostMirrorHybridOptimizer,
-    OffloadSource,
-    attach_host_mirrors,
-    offload_sources,
-    source_mirror,
-)
+from .hybrid import HostMirrorHybridOptimizer, attach_host_mirrors
+from .sources import OffloadSource, offload_sources, source_mirror
 
 __all__ = [
     "HostMirrorHybridOptimizer",

@@ -28,12 +28,8 @@ the gradients where they arrive in a narrower dtype.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
@@ -41,41 +37,24 @@ from buffers.spans import Span
 
 from .. import seam
 from ..opt_checkpoint import place_sub_optimizer_state
-from .host_mirror import (
-    BufferMirror,
-    HostBlock,
-    add_island_copies,
-    build_buffer_mirror,
-    chunk_copies,
+from .checkpoint_classes import allow_optimizer_classes_in_checkpoints
+from .chunked import (
+    ChunkedPlan,
+    InFlightUpdate,
+    build_chunked_plan,
+    land_delayed,
+    launch_delayed,
+    run_exact,
 )
-from .plan import MirrorLayout, copy_schedule, itemsize, mirror_layout
-from .step import (
-    DEFAULT_CHUNK_NUMEL,
-    DEFAULT_COMPUTE_NUMEL,
-    MOMENT_DTYPES,
-    ChunkedAdamW,
-    Entry,
-    chunk_spans,
-    eligible,
-)
+from .host_mirror import BufferMirror, HostBlock
+from .moment_dtypes import offload_moment_dtypes
+from .plan import copy_schedule, itemsize
+from .sources import OffloadSource, offload_sources, source_mirror
+from .step import DEFAULT_CHUNK_NUMEL, DEFAULT_COMPUTE_NUMEL, chunked_step_refusal
+from .threads import cpu_threads, delayed_update_threads, threads_warning
 
 HybridDeviceOptimizer = seam.target("HybridDeviceOptimizer")
 DistributedOptimizer = seam.target("DistributedOptimizer")
-
-
-@dataclass
-class OffloadSource:
-    """What the host mirror of one buffer is built from (taken from the optimizer once)."""
-
-    name: str
-    owned: tuple[Span, ...]  # this rank's ranges (buffer coordinates)
-    grads: torch.Tensor  # what the optimizer's gradients are views of
-    grads_coords: tuple[Span, ...] | None  # None: buffer coordinates; else owned, end to end
-    param_data: torch.Tensor  # the DDP parameter buffer
-    spans: dict[torch.Tensor, Span]  # every inner-optimizer parameter of this buffer
-    # (owned piece, its view in the fp32 island) of each parameter whose gradient the
-    # optimizer reads in the buffer's fp32 local-accumulation island
-    island: tuple[tuple[Span, torch.Tensor], ...] = ()
 
 
 class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
@@ -93,11 +72,10 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     """
 
     _offload_sources: tuple[OffloadSource, ...] = ()
-    _reused_placement: tuple | None = None
     host_mirrors: list[BufferMirror]
     # The chunked step (:mod:`.step`): one fused AdamW call per chunk of a host mirror, the
-    # chunks' copies pipelined with the updates. Opt-in until it has run on a GPU: set
-    # ``chunked_step = True`` on the class or the instance (before the first step).
+    # chunks' copies pipelined with the updates; set ``chunked_step`` on the class or the
+    # instance before the first step (False: megatron-core's per-parameter step).
     chunked_step: bool = False
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
     # torch intra-op threads during the step (the CPU update's); None: leave torch's setting
@@ -112,14 +90,42 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     # how the chunked step updates a chunk (ChunkedAdamW's kernel): "auto" the compiled
     # one-pass kernel where it reproduces torch's fused AdamW here, "native", "torch"
     offload_kernel: str = "auto"
-    _chunked: tuple | None = None
+    # The chunked step's update one step late, beside the next forward and backward
+    # ([Note: the delayed offloaded update] in :mod:`.chunked`), after ``delay_warmup``
+    # exact steps (counted by the optimizer's step count).
+    delayed_update: bool = False
+    delay_warmup: int = 0
+    _chunked: ChunkedPlan | None = None
+    _in_flight: InFlightUpdate | None = None
+    _keeping_placement = False
+    _warmed = False
     _torn: str | None = None  # why the chunked step refuses to run (a step failed part way)
     _fallback_warned = False
 
+    def rebuild_keeping_placement(self) -> None:
+        """megatron-core's ``_init_sub_optimizers`` with the placement it made when it built
+        this instance (which parameters the CPU updates, their CPU copies): the
+        sub-optimizers and this class's hooks are rebuilt, no parameter is copied again.
+        A later rebuild (a checkpoint load) computes the placement afresh, as megatron-core
+        does."""
+        self._keeping_placement = True
+        try:
+            self._init_sub_optimizers()
+        finally:
+            self._keeping_placement = False
+
     def _get_sub_optimizer_param_groups(self, offload_fraction):
-        if self._reused_placement is not None:
-            placement, self._reused_placement = self._reused_placement, None
-            return placement
+        """megatron-core's placement, or during :meth:`rebuild_keeping_placement` the one
+        already made (the tuple megatron-core's returns, from the attributes its caller
+        unpacked it into)."""
+        if self._keeping_placement:
+            return (
+                self.cpu_param_groups,
+                self.gpu_param_groups,
+                self.gpu_params_map_cpu_copy,
+                self.cpu_copys_map_gpu_param,
+                self.param_to_fp32_param,
+            )
         return super()._get_sub_optimizer_param_groups(offload_fraction)
 
     def _init_sub_optimizers(self):
@@ -194,7 +200,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         block_of: dict[torch.Tensor, int] = {}
         # lean: the chunked step converts gradients into its scratch, so no mirror-sized
         # host copy of them in the CPU dtype (4 bytes per element) is kept
-        lean = bool(self.chunked_step) and eligible(self.cpu_optimizers) is None
+        lean = bool(self.chunked_step) and chunked_step_refusal(self.cpu_optimizers) is None
         for source in self._offload_sources:
             built = source_mirror(
                 source,
@@ -233,6 +239,8 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         self._h2d_done = torch.cuda.Event()
         self._chunked = None
         self._chunked_for = None
+        self._in_flight = None
+        self._warmed = False
         self._torn = None
         self._gpu_masters = [
             (p, fp32) for p, fp32 in self.param_to_fp32_param.items() if p not in offloaded
@@ -244,49 +252,6 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             if p not in self.fp32_param_to_orig_param
         ]
 
-    def _build_chunked(self):
-        """(steppers, copies, events): per mirror one :class:`ChunkedAdamW`; per chunk its
-        copies and its device-to-host event. None (with the reason kept in
-        ``chunked_step_off``) where the per-parameter optimizers compute something else."""
-        self.chunked_step_off = eligible(self.cpu_optimizers)
-        if self.chunked_step_off is not None:
-            return None
-        # every CPU parameter is one mirror's (_build_host_mirrors checked that)
-        where = {
-            p: (opt, gi)
-            for opt in self.cpu_optimizers
-            for gi, g in enumerate(opt.param_groups)
-            for p in g["params"]
-        }
-        # the offload optimizer's group each per-parameter optimizer's group was made from
-        family = {(id(opt), j): i for opt, j, i in self._group_pairs}
-        steppers, copies, order = [], [], []
-        for k, (m, params) in enumerate(zip(self.host_mirrors, self._mirror_params, strict=True)):
-            entries = [
-                Entry(cpu, local, *where[cpu], family=family[id(where[cpu][0]), where[cpu][1]])
-                for cpu, local in params
-            ]
-            runs = chunk_spans(
-                [m.layout.local(b) for b in m.layout.blocks],
-                max(1, int(self.chunk_numel)),
-                [e.local for e in entries],
-            )
-            steppers.append(
-                ChunkedAdamW(
-                    m.host_params,
-                    m.cpu_grads,
-                    entries,
-                    [r for _, r in runs],
-                    self.compute_numel,
-                    tuple(self.moment_dtypes),
-                    self.offload_kernel,
-                )
-            )
-            copies += chunk_copies(m, runs)
-            order += [(k, i) for i in range(len(runs))]
-        events = [torch.cuda.Event() for _ in copies]
-        return steppers, copies, events, order
-
     def step(self, closure=None):
         """megatron-core's step, or the chunked one (:attr:`chunked_step`), with torch's
         intra-op threads set to :attr:`cpu_threads` for its duration when that is set."""
@@ -294,32 +259,14 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             return self._step(closure)
 
     def _step(self, closure=None):
-        """megatron-core's step, or the chunked one (:attr:`chunked_step`).
-
-        The chunked step: every chunk's device-to-host copy is issued at once on the copy
-        stream; then per chunk, in order: wait for its copy; in cache-sized sub-ranges
-        convert, one fused AdamW call per family of parameters, pack; its host-to-device
-        copy on the other stream; so that chunk i's copies overlap the update of its
-        neighbours; then the GPU optimizer steps and the step counters advance.
-
-        If the CPU part raises, every copy already issued completes before the exception
-        leaves, and the compute stream waits for the copies back. Raised before any fused
-        call had updated anything, the optimizer is as it was before the step (counters,
-        moments, parameters on both sides); raised later, this step refuses to run again
-        until a checkpoint is loaded (the state is then part old, part new).
-        """
+        """megatron-core's step, or the chunked one (:attr:`chunked_step`): exact
+        (:func:`.chunked.run_exact`) or, with :attr:`delayed_update`, one step late
+        (:func:`.chunked.launch_delayed`, after landing the update in flight)."""
         if not self.chunked_step or closure is not None:
             self._refuse_if_lean("chunked_step is off" if closure is None else "a closure")
             return super().step(closure)
-        sizes = (
-            self.chunk_numel,
-            self.compute_numel,
-            tuple(self.moment_dtypes),
-            self.offload_kernel,
-        )
-        if self._chunked_for != sizes:
-            self._chunked, self._chunked_for = self._build_chunked(), sizes
-        if self._chunked is None:
+        plan = self._chunked_plan()
+        if plan is None:
             self._refuse_if_lean(self.chunked_step_off)
             if set(self.moment_dtypes) != {torch.float32} and not self._fallback_warned:
                 self._fallback_warned = True
@@ -330,51 +277,78 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                     stacklevel=3,
                 )
             return super().step(closure)
+        self.drain()
         if self._torn is not None:
             raise RuntimeError(self._torn)
-        steppers, copies, events, order = self._chunked
-        self._sync_hdo_param_groups_to_sub_optimizers()
-        for stepper in steppers:
-            stepper.begin()
-        compute = torch.cuda.current_stream()
-        self._d2h_stream.wait_stream(compute)
-        with torch.cuda.stream(self._d2h_stream):
-            for chunk, event in zip(copies, events, strict=True):
-                chunk.start_d2h()
-                event.record(self._d2h_stream)
-        # the device parameters may still be read by work queued before this step
-        self._h2d_stream.wait_stream(compute)
-        waited = 0
-        try:
-            for (k, i), chunk, event in zip(order, copies, events, strict=True):
-                event.synchronize()
-                waited += 1
-                steppers[k].update(i, chunk)  # convert, update, pack, sub-range by sub-range
-                with torch.cuda.stream(self._h2d_stream):
-                    chunk.start_h2d()
-            # after the CPU part: a CPU failure leaves the GPU part untouched too
-            if self.gpu_optimizer is not None:
-                self.gpu_optimizer.step()
-        except BaseException:
-            # no copy left in flight: the host may free or reuse the staging
-            for event in events[waited:]:
-                event.synchronize()
-            self._h2d_stream.synchronize()
-            updated = sum(s.updated for s in steppers)
-            if updated:
-                self._torn = (
-                    f"the previous offloaded optimizer step failed part way ({updated} fused "
-                    "AdamW calls on the host had updated parameters and moments, the rest "
-                    "of the step had not), "
-                    "so this optimizer's state is inconsistent; load the last checkpoint "
-                    "(load_state_dict) before stepping again"
-                )
-            raise
-        finally:  # later device work is ordered after the copies back already issued
-            self._order_after_copies_back(compute)
-        for stepper in steppers:
-            stepper.finish()
-        self._sync_sub_optimizers_state_to_hdo()
+        if self.delayed_update and self._past_warmup():
+            with torch.profiler.record_function("megatron_ext::offload_launch"):
+                self._in_flight = launch_delayed(self, plan)
+        else:
+            with torch.profiler.record_function("megatron_ext::offload_exact_step"):
+                run_exact(self, plan)
+
+    def _chunked_plan(self) -> ChunkedPlan | None:
+        """The chunked step's plan for the current sizes (rebuilt when one changes), or None
+        (the reason in ``chunked_step_off``) where the per-parameter optimizers compute
+        something else."""
+        sizes = (
+            self.chunk_numel,
+            self.compute_numel,
+            tuple(self.moment_dtypes),
+            self.offload_kernel,
+        )
+        if self._chunked_for != sizes:
+            self.drain()
+            self.chunked_step_off = chunked_step_refusal(self.cpu_optimizers)
+            plan = None if self.chunked_step_off is not None else build_chunked_plan(self)
+            self._chunked, self._chunked_for = plan, sizes
+        return self._chunked
+
+    def _past_warmup(self) -> bool:
+        """Whether this optimizer has taken :attr:`delay_warmup` steps, by the ``step`` of
+        its host parameters' state (a loaded checkpoint's included); once true it stays so
+        until the sub-optimizers are rebuilt (a load), so the walk runs only in warm-up."""
+        if not self._warmed:
+            taken = max(
+                (
+                    float(state["step"])
+                    for opt in self.cpu_optimizers
+                    for state in opt.state.values()
+                    if "step" in state
+                ),
+                default=0.0,
+            )
+            self._warmed = taken >= self.delay_warmup
+        return self._warmed
+
+    def drain(self) -> bool:
+        """Land the delayed update in flight, if any: wait for its host worker and send its
+        parameters to the device (ordered before the compute stream's later work); its
+        error, if it raised, is raised here. Returns whether there was one.
+
+        Called before every step, ``state_dict`` and a change of sizes; call it before
+        reading the parameters outside the training loop (evaluation, the end of
+        training). :func:`megatron_ext.drain_offload` does it for a whole optimizer.
+        """
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return False
+        with torch.profiler.record_function("megatron_ext::offload_land"):
+            land_delayed(self, flight)
+        return True
+
+    def state_dict(self):
+        """megatron-core's, after :meth:`drain`: it holds every update its step says."""
+        self.drain()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        """megatron-core's, after waiting for an update in flight and dropping it (the
+        loaded state replaces what it would have written)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None:
+            flight.wait()
+        return super().load_state_dict(state_dict)
 
     def _refuse_if_lean(self, why: str) -> None:
         if any(m.cpu_grads is None for m in self.host_mirrors):
@@ -507,217 +481,6 @@ def _counts_per_group(opt: torch.optim.Optimizer) -> bool:
     return not type(opt).__module__.startswith("torch.optim")
 
 
-@contextlib.contextmanager
-def cpu_threads(n: int | None):
-    """torch's intra-op threads set to ``n`` inside, restored after (None: unchanged)."""
-    if n is None or n == torch.get_num_threads():
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity), else ``os.cpu_count()``."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def threads_warning(threads: int | None) -> str | None:
-    """A line when the CPU update would run on one thread of several usable cores."""
-    n = torch.get_num_threads() if threads is None else threads
-    cores = usable_cores()
-    if n > 1 or cores <= 1:
-        return None
-    return (
-        f"the offloaded CPU optimizer step will use 1 thread of the {cores} cores this "
-        "process may use (torchrun sets OMP_NUM_THREADS=1 unless told otherwise); pass "
-        "megatron_ext.MegatronOptions(offload_threads=N), N about the cores per rank on "
-        "this host, or set OMP_NUM_THREADS"
-    )
-
-
-def offload_moment_dtypes(config, chunked_step: bool) -> tuple[torch.dtype, torch.dtype]:
-    """The dtypes of the offloaded Adam moments: megatron-core's ``exp_avg_dtype`` and
-    ``exp_avg_sq_dtype`` with the precision-aware optimizer and the chunked step, else fp32.
-
-    megatron-core's ``HybridDeviceOptimizer`` ignores them (its CPU AdamW keeps fp32); the
-    per-parameter step still does, with a warning. ``main_params_dtype`` other than fp32 is
-    not honoured by either step (warned: the host master weights stay fp32).
-    """
-    fp32 = torch.float32
-    if not getattr(config, "use_precision_aware_optimizer", False):
-        return (fp32, fp32)
-    asked = (getattr(config, "exp_avg_dtype", fp32), getattr(config, "exp_avg_sq_dtype", fp32))
-    main = getattr(config, "main_params_dtype", fp32)
-    if main != fp32:
-        warnings.warn(
-            f"main_params_dtype={main} is not honoured by the CPU-offloaded optimizer step: "
-            "its master weights on the host stay fp32",
-            stacklevel=3,
-        )
-    if asked == (fp32, fp32):
-        return asked
-    if not chunked_step:
-        warnings.warn(
-            f"exp_avg_dtype={asked[0]} / exp_avg_sq_dtype={asked[1]} are not honoured by the "
-            "per-parameter CPU-offloaded step (torch's AdamW keeps fp32 moments on the host); "
-            "use MegatronOptions(offload_step='chunked') to keep them as asked",
-            stacklevel=3,
-        )
-        return (fp32, fp32)
-    kept = " or ".join(map(str, MOMENT_DTYPES))
-    for dtype in asked:
-        if dtype not in MOMENT_DTYPES:
-            raise ValueError(
-                f"the CPU-offloaded step keeps Adam moments in {kept}, not {dtype} "
-                "(OptimizerConfig exp_avg_dtype / exp_avg_sq_dtype)"
-            )
-    return asked
-
-
-def source_mirror(
-    source: OffloadSource,
-    offloaded,
-    *,
-    pin: bool,
-    lean: bool = False,
-    device_convert: bool = False,
-):
-    """The host mirror of one buffer's offloaded parameters, or None when it has none.
-
-    ``offloaded``: the inner parameters the CPU updates (``gpu_params_map_cpu_copy``).
-    Returns ``(mirror, [(parameter, span)])``, the mirror's parameters loaded from the device.
-    """
-    mine = [(p, s) for p, s in source.spans.items() if p in offloaded]
-    if not mine:
-        return None
-    resident = [s for p, s in source.spans.items() if p not in offloaded]
-    layout = mirror_layout(source.owned, [s for _, s in mine], resident)
-    params, params_coords, device_params = _device_params(source, layout, mine)
-    mirror = build_buffer_mirror(
-        source.name,
-        layout,
-        owned_numel=sum(s.numel for s in source.owned),
-        grads=source.grads,
-        grads_coords=source.grads_coords,
-        params=params,
-        params_coords=params_coords,
-        cpu_dtype=_one_dtype(offloaded[p] for p, _ in mine),
-        pin=pin,
-        lean=lean,
-        device_convert=device_convert,
-    )
-    mirror.device_params = device_params
-    known = set(source.spans.values())
-    stray = [span for span, _ in source.island if span not in known]
-    if stray:
-        raise RuntimeError(
-            f"{source.name}: the fp32-accumulation gradient at {stray[0]} matches no parameter "
-            "of the optimizer; pass host_mirrors=False to get_megatron_optimizer"
-        )
-    offloaded_spans = {s for _, s in mine}
-    add_island_copies(mirror, [x for x in source.island if x[0] in offloaded_spans], pin=pin)
-    mirror.load_params()
-    return mirror, mine
-
-
-def _one_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1:
-        raise RuntimeError(f"one buffer's offloaded parameters have several dtypes: {dtypes}")
-    return dtypes.pop()
-
-
-def _is_view_of(p: torch.Tensor, base: torch.Tensor, span: Span) -> bool:
-    return (
-        p.dtype == base.dtype
-        and p.device == base.device
-        and p.is_contiguous()
-        and p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-        and p.storage_offset() == base.storage_offset() + span.start
-    )
-
-
-def _device_params(source: OffloadSource, layout: MirrorLayout, mine):
-    """Where one buffer's updated parameters go back to: (tensor, coords, built here).
-
-    The inner optimizer's parameters are either views of the DDP parameter buffer
-    (precision-aware shards, fp32 parameters) or separate fp32 main shards of bf16
-    parameters; those are moved into one flat device tensor laid out like the mirror, so
-    each block still goes back with one copy.
-    """
-    views = [_is_view_of(p, source.param_data, s) for p, s in mine]
-    if all(views):
-        return source.param_data, None, None
-    if any(views):
-        raise RuntimeError(
-            f"{source.name}: some offloaded parameters are views of the parameter buffer "
-            "and some are not; host mirrors need one kind per buffer"
-        )
-    flat = torch.zeros(layout.numel, dtype=_one_dtype(p for p, _ in mine), device=mine[0][0].device)
-    for p, s in mine:
-        local = layout.local(s)
-        view = flat[local.start : local.end]
-        view.copy_(p.detach().reshape(-1))
-        p.data = view.view(p.shape)
-    return flat, layout.blocks, flat
-
-
-def offload_sources(child) -> tuple[OffloadSource, ...]:
-    """Per gradient buffer of a distributed optimizer: its shard and inner parameters.
-
-    Needs ``child._flat`` (:func:`megatron_ext.optimizer.enable_flat_norm`): its targets
-    say which ranges this rank owns and whether the optimizer's gradients are views of the
-    grad buffer or of an fp32 mirror of the owned ranges.
-    """
-    decoupled = bool(child.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-    mains16 = child.shard_float16_groups if decoupled else child.shard_fp32_from_float16_groups
-    pairs = [
-        *zip(_chain(child.model_float16_groups), _chain(mains16), strict=True),
-        *zip(_chain(child.model_fp32_groups), _chain(child.shard_fp32_groups), strict=True),
-    ]
-    per_buffer: dict[int, dict[torch.Tensor, Span]] = {}
-    for model_param, shard in pairs:
-        if shard is None:
-            raise NotImplementedError(
-                "host mirrors do not support quantized (fp8/fp4) parameters; pass "
-                "host_mirrors=False to megatron_ext.get_megatron_optimizer"
-            )
-        index = child.model_param_gbuf_map[model_param][0]
-        start = child.buffers[index].param_index_map[model_param][0]
-        r = child._get_model_param_range_map(model_param)["param"]
-        per_buffer.setdefault(index, {})[shard] = Span(start + r.start, start + r.end)
-    sources = []
-    for i, (buf, target) in enumerate(zip(child.buffers, child._flat.targets, strict=True)):
-        mirrored = target.mirror is not None
-        sources.append(
-            OffloadSource(
-                name=target.name,
-                owned=target.spans.owned,
-                grads=target.mirror if mirrored else buf.grad_data,
-                grads_coords=target.spans.owned if mirrored else None,
-                param_data=buf.param_data,
-                spans=per_buffer.get(i, {}),
-                island=tuple(
-                    (piece, target.island[at.start : at.end])
-                    for _, piece, at in target.island_pieces
-                ),
-            )
-        )
-    return tuple(sources)
-
-
-def _chain(groups):
-    return [p for g in groups for p in g]
-
-
 def attach_host_mirrors(
     child,
     *,
@@ -725,6 +488,8 @@ def attach_host_mirrors(
     chunk_numel: int = DEFAULT_CHUNK_NUMEL,
     threads: int | None = None,
     convert_on_device: bool = False,
+    delayed_update: bool = False,
+    delay_warmup: int = 0,
 ) -> bool:
     """Give a distributed optimizer's ``HybridDeviceOptimizer`` flat host mirrors.
 
@@ -737,6 +502,10 @@ def attach_host_mirrors(
             usable cores.
         convert_on_device: gradients and parameters cross in fp32, converted on the
             device (:attr:`HostMirrorHybridOptimizer.convert_on_device`).
+        delayed_update: the chunked step's host update one step late, beside the next
+            forward and backward ([Note: the delayed offloaded update] in :mod:`.chunked`);
+            needs ``chunked_step``.
+        delay_warmup: with ``delayed_update``, how many steps run exact first.
 
     Attached at every offload fraction: at fraction 0 there is no mirror, but natively
     fp32 parameters on the GPU still need :meth:`HostMirrorHybridOptimizer._set_gpu_grads`.
@@ -759,7 +528,16 @@ def attach_host_mirrors(
         )
     seam.check_instance("HybridDeviceOptimizer", hdo)
     hdo.__class__ = HostMirrorHybridOptimizer
+    if delayed_update and not chunked_step:
+        raise ValueError(
+            "the delayed offloaded update runs the chunked step; use offload_step='chunked' "
+            "with offload_delayed_update=True"
+        )
     hdo.chunked_step, hdo.chunk_numel = bool(chunked_step), int(chunk_numel)
+    hdo.delayed_update, hdo.delay_warmup = bool(delayed_update), int(delay_warmup)
+    if delayed_update and threads is None:
+        # the host update then runs beside the Python thread that launches the GPU's work
+        threads = delayed_update_threads()
     hdo.cpu_threads = threads
     hdo.convert_on_device = bool(convert_on_device)
     hdo.moment_dtypes = offload_moment_dtypes(child.config, chunked_step)
@@ -768,34 +546,7 @@ def attach_host_mirrors(
         if warning:
             warnings.warn(warning, stacklevel=2)
     hdo._offload_sources = offload_sources(child)
-    # Keep megatron-core's placement and CPU copies (no second copy of every parameter);
-    # rebuild the (stateless) sub-optimizers so that our hooks replace the per-parameter ones.
-    hdo._reused_placement = (
-        hdo.cpu_param_groups,
-        hdo.gpu_param_groups,
-        hdo.gpu_params_map_cpu_copy,
-        hdo.cpu_copys_map_gpu_param,
-        hdo.param_to_fp32_param,
-    )
-    hdo._init_sub_optimizers()
+    # the (stateless) sub-optimizers rebuilt so that our hooks replace the per-parameter ones
+    hdo.rebuild_keeping_placement()
     allow_optimizer_classes_in_checkpoints(hdo)
     return True
-
-
-def allow_optimizer_classes_in_checkpoints(hdo) -> list[type]:
-    """Let ``torch.load(weights_only=True)`` read a checkpoint holding this optimizer's
-    param groups: megatron-core's ``HybridDeviceOptimizer`` keeps its CPU and GPU optimizer
-    classes in every param group (``cpu_optimizer_cls``, ``gpu_optimizer_cls``), and
-    megatron-core 0.18's ``dist_checkpointing`` loads the common state with torch's default
-    weights-only unpickler, which refuses any class it was not told about ("Unsupported
-    global: GLOBAL torch.optim.adamw.AdamW"): an offloaded checkpoint could be saved but
-    not loaded. The two classes (optimizer classes of torch, transformer-engine or Apex,
-    named by the optimizer itself) are added to torch's safe globals; returns them."""
-    classes = [
-        c
-        for c in (getattr(hdo, "cpu_optimizer_cls", None), getattr(hdo, "gpu_optimizer_cls", None))
-        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
-    ]
-    if classes:
-        torch.serialization.add_safe_globals(classes)
-    return classes

@@ -90,7 +90,7 @@ def chunk_spans(
 
 
 @dataclass(frozen=True)
-class Entry:
+class HostParam:
     """One CPU parameter: where it lies in the mirror and which optimizer group holds it."""
 
     param: torch.Tensor
@@ -103,7 +103,7 @@ class Entry:
     family: Hashable | None = None
 
 
-def eligible(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
+def chunked_step_refusal(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
     """None when :class:`ChunkedAdamW` computes what ``optimizers`` would; else why not."""
     for opt in optimizers:
         if type(opt) is not torch.optim.AdamW:
@@ -171,7 +171,7 @@ class ChunkedAdamW:
         self,
         host_params: torch.Tensor,
         cpu_grads: torch.Tensor | None,
-        entries: Sequence[Entry],
+        entries: Sequence[HostParam],
         chunks: Sequence[Span],
         compute_numel: int = DEFAULT_COMPUTE_NUMEL,
         moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),

@@ -74,7 +74,7 @@ class Net(torch.nn.Module):
 
 def build(*, fraction, pa, overlap, fp32_first=False, grads_fp32=False, host_mirrors=True,
           with_fp32=True, offload_step="per_parameter", chunk=None, compute=None,
-          convert="host"):  # fmt: skip
+          convert="host", delayed=False):  # fmt: skip
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_ext
@@ -107,6 +107,8 @@ def build(*, fraction, pa, overlap, fp32_first=False, grads_fp32=False, host_mir
             host_mirrors=host_mirrors,
             offload_step=offload_step,
             offload_convert=convert if host_mirrors else "host",
+            offload_delayed_update=delayed,
+            offload_delay_warmup=0,
             **({} if chunk is None else {"offload_chunk_numel": chunk}),
         ),
     )

@@ -258,8 +258,6 @@ class MirrorPlaced(HostMirrorHybridOptimizer):
     """Host mirrors; the placement above wherever megatron-core's would run (a reload)."""
 
     def _get_sub_optimizer_param_groups(self, offload_fraction):
-        if self._reused_placement is not None:  # attach_host_mirrors' path, at construction
-            return super()._get_sub_optimizer_param_groups(offload_fraction)
         return placement(self.param_groups, offload_fraction)
 
 

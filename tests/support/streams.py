@@ -13,7 +13,9 @@ of host memory, and every access is checked against what the real device would g
 - the host reads or writes staging bytes only once every copy into or out of them is known
   to be complete (an event recorded after the copy, on its stream, synchronized);
 - when the step returns, the compute stream is ordered after every host-to-device copy
-  (the next forward pass reads those parameters).
+  (the next forward pass reads those parameters), and every device-to-host copy is known
+  complete or the compute stream ordered after it too (the next backward overwrites the
+  gradients it reads).
 
 A violation raises :class:`OrderError` at the access, naming the copy and the stream.
 """
@@ -162,6 +164,16 @@ class Log:
                 raise OrderError(
                     f"the step returned before the compute stream was ordered after {op.what} "
                     f"on {op.stream} (the next forward pass could read stale parameters)"
+                )
+            if (
+                op.what.startswith(("d2h", "island d2h"))
+                and not self.compute.precedes(op)
+                and not self.known_done(op)
+            ):
+                raise OrderError(
+                    f"the step returned before {op.what} on {op.stream} was known complete or "
+                    "the compute stream ordered after it (the next backward overwrites the "
+                    "gradients it reads)"
                 )
         self.checks += 1
 

@@ -1,0 +1,249 @@
+"""CPU offload through host mirrors, the chunked step's driver: the plan built once (per
+mirror one :class:`~.step.ChunkedAdamW`, per chunk its copies and its device-to-host
+event) and the two ways of running it, exact and delayed.
+
+[Note: the delayed offloaded update]
+The exact chunked step runs in series with the GPU: the device waits for the host update
+before the next forward pass, and the host idles while the device computes. With the
+delayed update (ZeRO-Offload's one-step delayed parameter update, opt-in), the step of
+iteration t:
+
+1. lands step t-1's update: waits for its host worker, then issues its parameters'
+   host-to-device copies, after the compute stream's work so far (the forward and backward
+   of iteration t, which read the parameters step t-1 had not yet changed);
+2. issues step t's gradient copies to the host (after those copies back, which read the
+   same staging bytes; the compute stream's later work, the next zeroing of the gradient
+   buffer, after them), and steps the GPU-resident part (offload fraction < 1) at once;
+3. starts step t's host update on a worker thread and returns.
+
+So iteration t+1's forward and backward run beside step t's host update and read the
+host-updated parameters as step t-1 left them: one step late. Everything that decides
+step t (the norm, the clip coefficient, a skip) is computed from step t's own gradients
+before the step is called. What is not delayed: the GPU-resident parameters at offload
+fractions below 1 (their optimizer reads gradients that the next backward overwrites;
+delaying it would need a second copy of them on the device, the memory offload saves).
+A skipped step (megatron-core returns before calling this optimizer) lands nothing: the
+update in flight lands at the next step that runs, or at a drain.
+
+A drain (:meth:`~.hybrid.HostMirrorHybridOptimizer.drain`: before ``state_dict``, at the
+end of training, after an error) lands the update in flight, so a checkpoint holds every
+update its step count says; ``load_state_dict`` first waits for the worker and drops its
+result, which the loaded state replaces. The first ``warmup`` steps of an optimizer (by
+its step count, so a resumed run does not warm up again) run exact.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from .host_mirror import HostBlock, chunk_copies
+from .step import ChunkedAdamW, HostParam, chunk_spans
+from .threads import cpu_threads
+
+if TYPE_CHECKING:
+    from .hybrid import HostMirrorHybridOptimizer
+
+
+class ChunkedPlan(NamedTuple):
+    """The chunked step's work, built once per set of sizes."""
+
+    steppers: list[ChunkedAdamW]  # one per host mirror
+    copies: list[HostBlock]  # one per chunk, in the order they are updated
+    events: list  # per chunk: its device-to-host copy is complete (torch.cuda.Event)
+    order: list[tuple[int, int]]  # per chunk: (its mirror, its index among that mirror's)
+
+
+def build_chunked_plan(hdo: HostMirrorHybridOptimizer) -> ChunkedPlan:
+    """One :class:`ChunkedAdamW` per host mirror of ``hdo`` and the copies of its chunks
+    (the caller has checked that the per-parameter optimizers are ones it reproduces)."""
+    # every CPU parameter is one mirror's (_build_host_mirrors checked that)
+    where = {
+        p: (opt, gi)
+        for opt in hdo.cpu_optimizers
+        for gi, g in enumerate(opt.param_groups)
+        for p in g["params"]
+    }
+    # the offload optimizer's group each per-parameter optimizer's group was made from
+    family = {(id(opt), j): i for opt, j, i in hdo._group_pairs}
+    steppers: list[ChunkedAdamW] = []
+    copies: list[HostBlock] = []
+    order: list[tuple[int, int]] = []
+    for k, (m, params) in enumerate(zip(hdo.host_mirrors, hdo._mirror_params, strict=True)):
+        entries = [
+            HostParam(cpu, local, *where[cpu], family=family[id(where[cpu][0]), where[cpu][1]])
+            for cpu, local in params
+        ]
+        runs = chunk_spans(
+            [m.layout.local(b) for b in m.layout.blocks],
+            max(1, int(hdo.chunk_numel)),
+            [e.local for e in entries],
+        )
+        steppers.append(
+            ChunkedAdamW(
+                m.host_params,
+                m.cpu_grads,
+                entries,
+                [r for _, r in runs],
+                hdo.compute_numel,
+                tuple(hdo.moment_dtypes),
+                hdo.offload_kernel,
+            )
+        )
+        copies += chunk_copies(m, runs)
+        order += [(k, i) for i in range(len(runs))]
+    events = [torch.cuda.Event() for _ in copies]
+    return ChunkedPlan(steppers, copies, events, order)
+
+
+def _begin(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> torch.cuda.Stream:
+    """Hyperparameters read, counters prepared, every chunk's device-to-host copy issued on
+    the copy stream after the compute stream's work so far; returns the compute stream."""
+    hdo._sync_hdo_param_groups_to_sub_optimizers()
+    for stepper in plan.steppers:
+        stepper.begin()
+    compute = torch.cuda.current_stream()
+    hdo._d2h_stream.wait_stream(compute)
+    # the staging may still be read by copies back issued before (a landed delayed update)
+    hdo._d2h_stream.wait_stream(hdo._h2d_stream)
+    with torch.cuda.stream(hdo._d2h_stream):
+        for chunk, event in zip(plan.copies, plan.events, strict=True):
+            chunk.start_d2h()
+            event.record(hdo._d2h_stream)
+    return compute
+
+
+def _finish(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> None:
+    for stepper in plan.steppers:
+        stepper.finish()
+    hdo._sync_sub_optimizers_state_to_hdo()
+
+
+def _torn_message(plan: ChunkedPlan, gpu_stepped: bool) -> str | None:
+    updated = sum(s.updated for s in plan.steppers)
+    if not updated and not gpu_stepped:
+        return None
+    done = f"{updated} fused AdamW calls on the host had updated parameters and moments"
+    if gpu_stepped:
+        done += ", the GPU-resident part had stepped"
+    return (
+        f"the previous offloaded optimizer step failed part way ({done}, the rest of the "
+        "step had not), so this optimizer's state is inconsistent; load the last checkpoint "
+        "(load_state_dict) before stepping again"
+    )
+
+
+def run_exact(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> None:
+    """The chunked step in series with the device: per chunk, in order, wait for its copy,
+    update it in cache-sized sub-ranges (convert, fused AdamW per family, pack), send its
+    parameters back on the other copy stream; then the GPU optimizer steps.
+
+    If the CPU part raises, every copy already issued completes before the exception
+    leaves, and the compute stream waits for the copies back. Raised before any fused call
+    had updated anything, the optimizer is as it was before the step; raised later, the
+    step refuses to run again until a checkpoint is loaded.
+    """
+    compute = _begin(hdo, plan)
+    # the device parameters may still be read by work queued before this step
+    hdo._h2d_stream.wait_stream(compute)
+    waited = 0
+    try:
+        for (k, i), chunk, event in zip(plan.order, plan.copies, plan.events, strict=True):
+            event.synchronize()
+            waited += 1
+            plan.steppers[k].update(i, chunk)
+            with torch.cuda.stream(hdo._h2d_stream):
+                chunk.start_h2d()
+        # after the CPU part: a CPU failure leaves the GPU part untouched too
+        if hdo.gpu_optimizer is not None:
+            hdo.gpu_optimizer.step()
+    except BaseException:
+        # no copy left in flight: the host may free or reuse the staging
+        for event in plan.events[waited:]:
+            event.synchronize()
+        hdo._h2d_stream.synchronize()
+        hdo._torn = _torn_message(plan, gpu_stepped=False)
+        raise
+    finally:  # later device work is ordered after the copies back already issued
+        hdo._order_after_copies_back(compute)
+    _finish(hdo, plan)
+
+
+@dataclass
+class InFlightUpdate:
+    """A delayed step's host update, running on its worker thread (see the note above)."""
+
+    plan: ChunkedPlan
+    threads: int | None
+    gpu_stepped: bool = False
+    waited: int = 0  # chunks whose device-to-host copy the worker has waited for
+    error: BaseException | None = None
+    thread: threading.Thread = field(init=False)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(
+            target=self._run, name="megatron_ext-offload-update", daemon=False
+        )
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            # torch's intra-op thread count is per calling thread under OpenMP
+            with (
+                cpu_threads(self.threads),
+                torch.profiler.record_function("megatron_ext::offload_host_update"),
+            ):
+                for (k, i), chunk, event in zip(
+                    self.plan.order, self.plan.copies, self.plan.events, strict=True
+                ):
+                    event.synchronize()
+                    self.waited += 1
+                    self.plan.steppers[k].update(i, chunk)
+        except BaseException as error:  # handed to the thread that lands the update
+            self.error = error
+
+    def wait(self) -> None:
+        """Until the worker has ended, and every copy it had not waited for has too."""
+        self.thread.join()
+        for event in self.plan.events[self.waited :]:
+            event.synchronize()
+
+
+def launch_delayed(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> InFlightUpdate:
+    """Step t of the delayed update: gradients to the host, the GPU-resident part stepped,
+    the host update started on a worker (the caller has landed step t-1's)."""
+    compute = _begin(hdo, plan)
+    # the next iteration zeroes the gradient buffer on the compute stream: not before the
+    # copies have read it (the host does not wait for them before it returns)
+    compute.wait_stream(hdo._d2h_stream)
+    flight = InFlightUpdate(plan, hdo.cpu_threads)
+    try:
+        if hdo.gpu_optimizer is not None:
+            hdo.gpu_optimizer.step()
+            flight.gpu_stepped = True
+    except BaseException:  # no copy left in flight: the host may reuse the staging
+        for event in plan.events:
+            event.synchronize()
+        raise
+    flight.start()
+    return flight
+
+
+def land_delayed(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> None:
+    """Wait for the update in flight and send its parameters back to the device, after the
+    compute stream's work so far; its error, if it raised, is raised here."""
+    flight.wait()
+    plan = flight.plan
+    if flight.error is not None:
+        hdo._torn = _torn_message(plan, flight.gpu_stepped)
+        raise flight.error
+    compute = torch.cuda.current_stream()
+    hdo._h2d_stream.wait_stream(compute)
+    with torch.cuda.stream(hdo._h2d_stream):
+        for chunk in plan.copies:
+            chunk.start_h2d()
+    hdo._order_after_copies_back(compute)
+    _finish(hdo, plan)

@@ -1,0 +1,331 @@
+"""The delayed offloaded update ([Note: the delayed offloaded update] in
+``megatron_ext/offload/chunked.py``), on the CPU: what the "device" holds after every step
+equals, bit for bit, a plainly written loop that applies AdamW to the host-updated
+parameters one step late and to the GPU-resident ones at once.
+
+The reference is written without the code under test: one ``torch.optim.AdamW(fused=True)``
+per parameter (the kernel megatron-core's per-parameter offload step runs), a dict of what
+the device holds, and the delay as a pending dict landed at the next step that runs. The
+gradients depend on what the device holds when they are computed (a stand-in for forward
+and backward), so a step that read other parameters than the delay promises changes them.
+Which parameters the host updates is megatron-core's greedy placement (the simulation's).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megatron_ext import drain_offload
+from tests.support.offload_sim import (
+    FP32_SHAPES,
+    SHAPES,
+    MirrorChunked,
+    make_hdo,
+    recording_streams,
+    sim,
+)
+
+BF16, FP32 = torch.bfloat16, torch.float32
+BETAS, EPS = (0.9, 0.95), 1e-8
+
+
+@pytest.fixture
+def cpu_streams(monkeypatch):
+    return recording_streams(monkeypatch)
+
+
+class MirrorDelayed(MirrorChunked):
+    """The chunked step, its host update one step late after two exact steps."""
+
+    delayed_update = True
+    delay_warmup = 2
+
+
+def lr_at(step: int, group: int) -> float:
+    return 3e-3 * (step + 2) * (group + 1)
+
+
+class Model:
+    """The simulation's two buffers at DP=1, by parameter name: where each one's device
+    value, gradient and optimizer parameter live."""
+
+    def __init__(self, pa: bool, fraction: float, cls=MirrorDelayed, chunk=40):
+        self.pa = pa
+        bf16, fp32, groups, sources, bind, shard16 = sim(pa, False, False, 1, 0)
+        self.bf16, self.fp32, self.bind, self.shard16 = bf16, fp32, bind, shard16
+        self.hdo = make_hdo(cls, groups, fraction, True, sources, chunk=chunk)
+        base = fp32.param_data.data_ptr()
+        shard32 = {
+            p.data_ptr() - base: p for g in groups for p in g["params"] if p.dtype == FP32
+        }
+        self.inner = {n: shard16[n] for n in bf16.shards}
+        for n, s in fp32.shards.items():
+            self.inner[n] = shard32[s.start * 4]
+        # the simulation's groups: weight decay for 2-D parameters (the shards are flat)
+        self.group_of = {n: int(len((SHAPES | FP32_SHAPES)[n]) < 2) for n in self.inner}
+
+    def buffer(self, name):
+        return self.bf16 if name in self.bf16.shards else self.fp32
+
+    def device(self, name) -> torch.Tensor:
+        """What forward reads: the parameter buffer (precision-aware, fp32 parameters) or
+        the fp32 main shard megatron-core copies into it after a step."""
+        if name in self.bf16.shards and not self.pa:
+            return self.shard16[name].detach().reshape(-1)
+        s = self.buffer(name).shards[name]
+        return self.buffer(name).param_data[s.start : s.end]
+
+    def offloaded(self, name) -> bool:
+        return self.inner[name] in self.hdo.gpu_params_map_cpu_copy
+
+    def set_grads(self, grads: dict[str, torch.Tensor], step: int) -> None:
+        for n, g in grads.items():
+            s = self.buffer(n).shards[n]
+            self.buffer(n).grad_data[s.start : s.end] = g
+        self.bind()
+        for i, group in enumerate(self.hdo.param_groups):
+            group["lr"] = lr_at(step, i)
+
+
+class Reference:
+    """AdamW per parameter, applied at once or one step late, over what the device holds."""
+
+    def __init__(self, model: Model, delayed: bool, warmup: int):
+        self.delayed, self.warmup, self.taken = delayed, warmup, 0
+        self.dev = {n: model.device(n).clone() for n in model.inner}
+        self.late = {n: model.offloaded(n) for n in model.inner}
+        self.master, self.opt = {}, {}
+        for n in model.inner:
+            master = torch.nn.Parameter(self.dev[n].float().clone())
+            wd = 0.1 if model.group_of[n] == 0 else 0.0
+            self.master[n] = master
+            self.opt[n] = torch.optim.AdamW(
+                [master], lr=1.0, betas=BETAS, eps=EPS, weight_decay=wd, fused=True
+            )
+        self.group_of = model.group_of
+        self.pending: dict[str, torch.Tensor] = {}
+
+    def grads(self, gen: torch.Generator, dtypes: dict[str, torch.dtype]):
+        """A stand-in for backward: gradients from what the device holds, plus noise."""
+        return {
+            n: (0.3 * d.float() + torch.randn(d.numel(), generator=gen)).to(dtypes[n])
+            for n, d in self.dev.items()
+        }
+
+    def land(self) -> None:
+        for n, value in self.pending.items():
+            self.dev[n] = value
+        self.pending = {}
+
+    def step(self, grads, step: int) -> None:
+        self.land()
+        delay = self.delayed and self.taken >= self.warmup
+        for n, master in self.master.items():
+            for g in self.opt[n].param_groups:
+                g["lr"] = lr_at(step, self.group_of[n])
+            master.grad = grads[n].float()
+            self.opt[n].step()
+            value = master.detach().to(self.dev[n].dtype, copy=True)
+            if delay and self.late[n]:
+                self.pending[n] = value
+            else:
+                self.dev[n] = value
+        self.taken += 1
+
+
+def grad_dtypes(model: Model) -> dict[str, torch.dtype]:
+    return {n: model.buffer(n).grad_data.dtype for n in model.inner}
+
+
+def run(model: Model, ref: Reference, steps: range, skip=(), gen=None, check=True):
+    gen = gen or torch.Generator().manual_seed(3)
+    for step in steps:
+        grads = ref.grads(gen, grad_dtypes(model))
+        model.set_grads(grads, step)
+        if step in skip:  # megatron-core returns before the inner step (inf, threshold)
+            continue
+        ref.step(grads, step)
+        model.hdo.step()
+        if check:
+            assert_device(model, ref, step)
+    return gen
+
+
+def assert_device(model: Model, ref: Reference, step) -> None:
+    for n in model.inner:
+        assert torch.equal(model.device(n), ref.dev[n]), (step, n, model.offloaded(n))
+
+
+def assert_state(model: Model, ref: Reference) -> None:
+    for n, p in model.inner.items():
+        mine = model.hdo.state[p]
+        theirs = ref.opt[n].state[ref.master[n]]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(mine[key].reshape(-1), theirs[key]), (n, key)
+        assert float(mine["step"]) == float(theirs["step"]), n
+
+
+@pytest.mark.parametrize("pa", [True, False], ids=["pa", "main-shards"])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_delayed_update_equals_adamw_applied_one_step_late(cpu_streams, fraction, pa):
+    """Two exact steps, then every host-updated parameter one step late (GPU-resident ones
+    at once), an lr schedule, a skipped step (nothing lands: the update in flight waits for
+    the next step that runs), natively fp32 parameters beside bf16; then a drain lands the
+    last update. Device values after every step, and the optimizer state, bit for bit."""
+    model = Model(pa, fraction)
+    ref = Reference(model, delayed=True, warmup=MirrorDelayed.delay_warmup)
+    assert any(ref.late.values()) and (fraction == 1.0) == all(ref.late.values())
+    run(model, ref, range(8), skip={5})
+    assert model.hdo._in_flight is not None
+    assert model.hdo.drain() and not model.hdo.drain()
+    ref.land()
+    assert_device(model, ref, "drained")
+    assert_state(model, ref)
+
+
+def test_the_delay_is_seen_and_the_exact_step_is_not_delayed(cpu_streams):
+    """The same loop with the reference's delay removed fails on the delayed optimizer,
+    and the exact chunked step equals the reference without delay: the test tells them
+    apart."""
+    model = Model(True, 1.0)
+    undelayed = Reference(model, delayed=False, warmup=0)
+    with pytest.raises(AssertionError):
+        run(model, undelayed, range(5))
+    model = Model(True, 1.0, cls=MirrorChunked)
+    ref = Reference(model, delayed=False, warmup=0)
+    run(model, ref, range(5))
+    assert_state(model, ref)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_state_dict_drains_and_a_resumed_run_continues_bit_for_bit(cpu_streams, fraction):
+    """A checkpoint mid-run lands the update in flight (it holds every update its step
+    says); a fresh optimizer over fresh buffers loaded from it continues exactly as the
+    uninterrupted delayed run that took the same checkpoint, past the warm-up (a resumed
+    run does not warm up again)."""
+    model = Model(True, fraction)
+    ref = Reference(model, delayed=True, warmup=MirrorDelayed.delay_warmup)
+    gen = run(model, ref, range(5))
+    assert model.hdo._in_flight is not None
+    saved = copy.deepcopy(model.hdo.state_dict())  # the live tensors go on changing
+    assert model.hdo._in_flight is None
+    ref.land()
+    assert_device(model, ref, "saved")
+    params = (model.bf16.param_data.clone(), model.fp32.param_data.clone())
+    state = gen.get_state()
+    run(model, ref, range(5, 9), gen=gen)
+
+    resumed = Model(True, fraction)
+    resumed.bf16.param_data.copy_(params[0])
+    resumed.fp32.param_data.copy_(params[1])
+    resumed.hdo.load_state_dict(saved)
+    gen = torch.Generator()
+    gen.set_state(state)
+    for step in range(5, 9):
+        resumed.set_grads(_grads_of(resumed, gen), step)
+        resumed.hdo.step()
+    assert resumed.hdo._in_flight is not None  # delayed at once: the warm-up is behind
+    for m in (model, resumed):
+        m.hdo.drain()
+    for n in model.inner:
+        assert torch.equal(model.device(n), resumed.device(n)), n
+    for n, p in model.inner.items():
+        a, b = model.hdo.state[p], resumed.hdo.state[resumed.inner[n]]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), (n, key)
+
+
+def _grads_of(model: Model, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    dtypes = grad_dtypes(model)
+    return {
+        n: (0.3 * model.device(n).float() + torch.randn(model.device(n).numel(), generator=gen))
+        .to(dtypes[n])
+        for n in model.inner
+    }
+
+
+def test_a_failing_host_update_is_raised_at_the_next_step(cpu_streams, monkeypatch):
+    """An error on the host worker leaves no copy in flight, is raised where the update
+    would land, and the optimizer then refuses to step until a checkpoint is loaded."""
+    from megatron_ext.offload.step import ChunkedAdamW
+
+    model = Model(True, 1.0)
+    model.hdo.delay_warmup = 1
+    gen = torch.Generator().manual_seed(1)
+    model.set_grads(_grads_of(model, gen), 0)
+    model.hdo.step()  # exact
+    saved = copy.deepcopy(model.hdo.state_dict())
+    real = ChunkedAdamW.update
+    calls = []
+
+    def failing(self, chunk, copies=None):
+        calls.append(chunk)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real(self, chunk, copies)
+
+    monkeypatch.setattr(ChunkedAdamW, "update", failing)
+    model.set_grads(_grads_of(model, gen), 1)
+    model.hdo.step()  # launched; the worker fails on its second chunk
+    model.set_grads(_grads_of(model, gen), 2)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        model.hdo.step()
+    assert all(cpu_streams.known_done(op) for op in cpu_streams.copies)
+    with pytest.raises(RuntimeError, match="failed part way .*load the last checkpoint"):
+        model.hdo.step()
+    monkeypatch.setattr(ChunkedAdamW, "update", real)
+    model.hdo.load_state_dict(saved)
+    model.hdo.step()
+    assert model.hdo.drain()
+
+
+def test_load_state_dict_drops_the_update_in_flight(cpu_streams):
+    """A load while an update is in flight waits for it and drops it: the loaded state
+    and parameters are what the next step starts from."""
+    model = Model(True, 1.0)
+    model.hdo.delay_warmup = 1
+    gen = torch.Generator().manual_seed(2)
+    model.set_grads(_grads_of(model, gen), 0)
+    model.hdo.step()  # exact
+    saved = copy.deepcopy(model.hdo.state_dict())
+    before = {n: model.device(n).clone() for n in model.inner}
+    model.set_grads(_grads_of(model, gen), 1)
+    model.hdo.step()
+    assert model.hdo._in_flight is not None
+    model.hdo.load_state_dict(saved)
+    assert model.hdo._in_flight is None
+    assert not model.hdo.drain()
+    for n in model.inner:  # nothing landed on the device
+        assert torch.equal(model.device(n), before[n]), n
+    steps = {float(s["step"]) for s in model.hdo.state.values() if "step" in s}
+    assert steps == {1.0}
+    model.hdo.step()  # from the loaded state, past the warm-up: delayed
+    assert model.hdo._in_flight is not None
+
+
+def test_drain_offload_lands_every_child(cpu_streams):
+    """``megatron_ext.drain_offload`` over a chain: each child's update lands, then its
+    main parameters are copied into the model's (megatron-core's own method)."""
+    models = [Model(True, 1.0), Model(True, 0.5)]
+    copied = []
+
+    class Child:
+        def __init__(self, hdo):
+            self.optimizer = hdo
+
+        def _copy_main_params_to_model_params(self):
+            copied.append(self)
+
+    class Chain:
+        chained_optimizers = [Child(m.hdo) for m in models]
+
+    gen = torch.Generator().manual_seed(4)
+    for m in models:
+        m.hdo.delay_warmup = 0
+        m.set_grads(_grads_of(m, gen), 0)
+        m.hdo.step()
+    assert drain_offload(Chain) == 2 and copied == Chain.chained_optimizers
+    assert drain_offload(Chain) == 0 and len(copied) == 2
