@@ -321,3 +321,47 @@ def test_other_assertions_of_the_script_keep_their_traceback(tmp_path):
     (tmp_path / "script.py").write_text("assert False, 'a check of the script'\n")
     with pytest.raises(AssertionError, match="a check of the script"):
         train.main([str(tmp_path / "script.py"), NO_FUSION])
+
+
+def _test_command_copy(tmp_path: Path) -> Path:
+    """scripts/test.sh and its set-up in a scratch tree with one passing test."""
+    (tmp_path / "scripts").mkdir()
+    for name in ("test.sh", "setup_env.sh"):
+        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_one.py").write_text("def test_one():\n    assert 2 + 2 == 4\n")
+    return tmp_path / "scripts" / "test.sh"
+
+
+def test_the_test_command_uses_the_python_it_is_given_as_it_is(tmp_path):
+    script = _test_command_copy(tmp_path)
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(script), "-p", "no:cacheprovider", "tests/test_one.py"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "1 passed" in proc.stdout and f"using PYTHON={sys.executable} as it is" in proc.stderr
+    assert not (tmp_path / ".venv").exists()  # nothing created, nothing installed
+
+
+def test_the_test_command_names_what_the_given_python_lacks(tmp_path):
+    script = _test_command_copy(tmp_path)
+    # an interpreter without hypothesis and megatron-core: this one with them blocked
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['hypothesis'] = None\nsys.modules['megatron'] = None\n"
+    )
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={block} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    proc = subprocess.run(
+        ["bash", str(script), "tests/test_one.py"],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHON": str(python)},
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"error: PYTHON={python} lacks: megatron-core hypothesis"), line
+    assert not (tmp_path / ".venv").exists()
