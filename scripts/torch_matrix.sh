@@ -53,6 +53,7 @@ for v in "${versions[@]}"; do
     echo "$v" >"$dir/.complete"
   fi
   log=".torch/logs/$v.log"
+  rm -f "$log"
   rc=0
   PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$PY" - "$v" "$dir" <<'EOF' || rc=$?
 import sys
@@ -67,7 +68,7 @@ EOF
     PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
       "${tests[@]}" "${pytest_args[@]}" 2>&1 | tee "$log" || rc=$? # pipefail: pytest's status
   fi
-  last=$(grep -v "^[[:space:]]*$" "$log" 2>/dev/null | tail -n 1 | sed 's/^=* *//; s/ *=*$//')
+  last=$({ grep -v "^[[:space:]]*$" "$log" 2>/dev/null || true; } | tail -n 1 | sed 's/^=* *//; s/ *=*$//')
   if [ $rc -eq 0 ]; then summary+=("  torch $v: PASS  $last"); else summary+=("  torch $v: FAIL  $last"); status=1; fi
 done
 echo
