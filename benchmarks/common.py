@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import math
@@ -535,11 +536,58 @@ def error_fields(exc: BaseException) -> dict[str, str]:
     }
 
 
+# The [bench] extra's modules: without them a script still runs, with no progress bar and
+# no PNG, and says so once (:func:`missing_extras`).
+EXTRAS = {"tqdm": "no progress bar", "matplotlib": "no PNG"}
+_told_missing = False
+
+
+def missing_extras() -> list[str]:
+    """The modules of :data:`EXTRAS` that do not import; the first call that finds any
+    prints one line on stderr saying what is missing, what that costs and how to install it.
+    """
+    global _told_missing
+    missing = []
+    for name in EXTRAS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing and not _told_missing:
+        _told_missing = True
+        names = " and ".join(missing)
+        costs = ", ".join(EXTRAS[m] for m in missing)
+        print(
+            f"note: {names} not installed ({costs}); pip install -e '.[bench]' adds them",
+            file=sys.stderr,
+        )
+    return missing
+
+
+class _NoBar:
+    """What :func:`progress` hands back without tqdm: the items, and a no-op postfix."""
+
+    def __init__(self, items: Iterable) -> None:
+        self._items = items
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        pass
+
+
 def progress(items: Sequence, desc: str):
-    """``items`` wrapped in a tqdm progress bar on stderr."""
+    """``items`` wrapped in a tqdm progress bar on stderr.
+
+    The bar is drawn only when stderr is a terminal (tqdm's ``disable=None``): in a log, a
+    pipe or CI it would print fragments. Without tqdm the items come back unwrapped.
+    """
+    if "tqdm" in missing_extras():
+        return _NoBar(items)
     from tqdm import tqdm
 
-    return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True)
+    return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True, disable=None)
 
 
 def _json_safe(value: Any) -> Any:
@@ -611,12 +659,33 @@ def format_table(records: Sequence[dict], columns: Sequence[Column]) -> str:
     return "\n".join(lines)
 
 
+class _NoPlot:
+    """A figure or axes without matplotlib: every method call is accepted and draws nothing,
+    so a script's plotting code runs unchanged (:func:`save_figure` then writes no PNG)."""
+
+    def __getattr__(self, name: str) -> _NoPlot:
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _NoPlot:
+        return self
+
+    def __iter__(self):
+        return iter(())
+
+
+NO_PNG = "no PNG (matplotlib is not installed)"
+
+
 def new_figure(ncols: int, width: float = 6.0, height: float = 4.5):
     """A matplotlib figure (Agg backend, no display needed) with ``ncols`` axes side by side.
+
+    Without matplotlib, stand-ins that draw nothing (:func:`missing_extras` says so once).
 
     Returns:
         ``(figure, list of axes)``.
     """
+    if "matplotlib" in missing_extras():
+        return _NoPlot(), [_NoPlot() for _ in range(ncols)]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -669,12 +738,15 @@ def run_title(device: torch.device, megatron: bool = False) -> str:
     return " | ".join(parts)
 
 
-def save_figure(fig, out_dir: Path, name: str, title: str) -> Path:
+def save_figure(fig, out_dir: Path, name: str, title: str) -> Path | str:
     """Title ``fig`` (:func:`run_title`), save it to ``out_dir/name.png`` and close it.
 
     Returns:
-        The path written.
+        The path written; without matplotlib (``fig`` from :func:`new_figure`'s stand-in),
+        :data:`NO_PNG`, which the scripts print where they name the files they wrote.
     """
+    if isinstance(fig, _NoPlot):
+        return NO_PNG
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -226,7 +226,7 @@ def flat(named: NamedParams, device: torch.device) -> Prepared:
 
 # --- flat through the Megatron integration --------------------------------------------------
 
-CUDA_ONLY = {"flat_megatron"}
+CUDA_ONLY = {"flat/megatron_spans"}
 
 
 class _Holder(torch.nn.Module):
@@ -238,7 +238,7 @@ class _Holder(torch.nn.Module):
             self.register_parameter(name.replace(".", "__"), p)
 
 
-@register("flat_megatron")
+@register("flat/megatron_spans")  # named as its rows are
 def flat_megatron(named: NamedParams, device: torch.device) -> Prepared:
     """Ours through megatron_ext: DDP buffers, distributed optimizer, spans over buckets.
 
@@ -249,7 +249,7 @@ def flat_megatron(named: NamedParams, device: torch.device) -> Prepared:
     only: megatron-core's DDP allocates there.
     """
     if device.type != "cuda":
-        raise RuntimeError("flat_megatron needs CUDA (megatron-core's DDP allocates on CUDA)")
+        raise RuntimeError("flat/megatron_spans needs CUDA (megatron-core's DDP allocates on CUDA)")
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 

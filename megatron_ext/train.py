@@ -448,13 +448,27 @@ def main(argv: list[str] | None = None) -> None:
     patches = install()
     try:
         runpy.run_path(str(script), run_name="__main__")
-    except BaseException:
+    except AssertionError as e:
         patches.drain(quiet=True)  # no host update left running when the loop fails
+        # Megatron-LM's initialize_megatron asserts CUDA ("Megatron requires CUDA."): one
+        # line instead of its traceback; the check stays Megatron-LM's, so a script that
+        # runs without CUDA (tests, data preprocessing) still runs
+        if "requires CUDA" in str(e) and not torch.cuda.is_available():
+            raise SystemExit(f"megatron_ext.train: error: {NEEDS_CUDA}") from None
+        raise
+    except BaseException:
+        patches.drain(quiet=True)
         raise
     else:
         patches.drain()
     finally:
         patches.remove()
+
+
+NEEDS_CUDA = (
+    "Megatron-LM's training loop needs a CUDA GPU (its initialize_megatron asserts one) and "
+    "torch sees none; on the CPU, use buffers.FlatGradBuffers (python -m buffers.demo shows it)"
+)
 
 
 USAGE = "usage: python -m megatron_ext.train SCRIPT [ARGS...]"
@@ -463,10 +477,7 @@ USAGE = "usage: python -m megatron_ext.train SCRIPT [ARGS...]"
 def help_text() -> str:
     """What ``python -m megatron_ext.train --help`` prints: our flags, one line each, first;
     then Megatron-LM's arguments, or one line saying why they cannot be listed here."""
-    labels = [
-        " ".join(flags) + (f" {kwargs['metavar']}" if "metavar" in kwargs else "")
-        for flags, kwargs in FLAGS
-    ]
+    labels = [" ".join(flags) + _values(kwargs) for flags, kwargs in FLAGS]
     width = max(map(len, labels))
     lines = [
         USAGE,
@@ -482,6 +493,13 @@ def help_text() -> str:
         megatron_help(),
     ]
     return "\n".join(lines)
+
+
+def _values(kwargs: dict) -> str:
+    """What a flag takes, as argparse shows it: ``{a,b}`` for choices, else its metavar."""
+    if "choices" in kwargs:
+        return " {" + ",".join(kwargs["choices"]) + "}"
+    return f" {kwargs['metavar']}" if "metavar" in kwargs else ""
 
 
 def megatron_help() -> str:

@@ -28,9 +28,38 @@ USAGE
 for arg in "$@"; do
   case $arg in -h | --help) usage; exit 0 ;; esac
 done
+fail() { # a usage error: this script's usage, then the problem, before anything runs
+  usage >&2
+  echo "bash scripts/main.sh: error: $1" >&2
+  exit 2
+}
+# Option names first, before the set-up (which may download torch) and before any part runs.
+expect_value=
+for arg in "$@"; do
+  if [ -n "$expect_value" ]; then expect_value=; continue; fi
+  case $arg in
+    --steps=* | --device=* | --max-norm=*) ;;
+    --steps | --device | --max-norm) expect_value=$arg ;;
+    *) fail "unrecognized argument: $arg" ;;
+  esac
+done
+[ -z "$expect_value" ] || fail "argument $expect_value: expected one value"
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$root/scripts/setup_env.sh"
 cd "$root"
+# Then their values, with the demo's own checks, named as this script's.
+"$PY" - "$@" <<'CHECK' || exit 2
+import sys
+
+from buffers import demo
+
+parser = demo.build_parser()
+parser.prog = "bash scripts/main.sh"
+args = parser.parse_args(sys.argv[1:])
+problem = demo._device_problem(args.device)
+if problem is not None:
+    parser.error(f"argument --device: {problem}")
+CHECK
 out=${OUT:-bench-out}  # the scripts' own default too; they hide megatron-core's known notices
 echo "== the bug: the norm of a mixed bf16/fp32 gradient list, stock megatron-core vs ours"
 "$PY" -m megatron_ext.mixed_list_demo  # megatron_ext hides megatron-core's import notices

@@ -244,3 +244,130 @@ def test_our_flags_are_added_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         train.add_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+
+def _main_job_copy(tmp_path: Path) -> tuple[Path, Path]:
+    """main.sh in a scratch tree whose set-up names this interpreter and leaves a mark."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "main.sh", tmp_path / "scripts" / "main.sh")
+    mark = tmp_path / "set-up-ran"
+    (tmp_path / "scripts" / "setup_env.sh").write_text(
+        f"touch {mark}; PY={sys.executable}; export PY\n"
+    )
+    return tmp_path / "scripts" / "main.sh", mark
+
+
+@pytest.mark.parametrize(
+    ("args", "problem", "set_up"),
+    [
+        (["--stpes", "3"], "unrecognized argument: --stpes", False),
+        (["--steps"], "argument --steps: expected one value", False),
+        (["--steps", "3", "--device", "tpu"], "argument --device: 'tpu' is not a torch", True),
+        (["--max-norm=-1"], "argument --max-norm: max_norm must be a number >= 0", True),
+    ],
+)
+def test_main_job_refuses_bad_arguments_with_its_own_usage_before_any_part_runs(
+    args, problem, set_up, tmp_path
+):
+    script, mark = _main_job_copy(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        ["bash", str(script), *args], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("usage: bash scripts/main.sh"), proc.stderr
+    assert lines[-1].startswith("bash scripts/main.sh: error: ") and problem in lines[-1]
+    assert "buffers.demo" not in lines[0]
+    # a misspelt option is refused before the set-up (which may download torch)
+    assert mark.exists() == set_up
+
+
+def test_python_m_megatron_ext_lists_the_entry_points():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = str(ROOT)
+    for args, code in (["--help"], 0), ([], 0), (["pretrain_gpt.py"], 2):
+        proc = subprocess.run(
+            [sys.executable, "-m", "megatron_ext", *args],
+            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == code, proc.stderr
+        text = proc.stdout if code == 0 else proc.stderr
+        assert "No module named" not in proc.stderr
+        for command in ("python -m megatron_ext.train SCRIPT", "python -m buffers.demo"):
+            assert command in text, text
+    assert "unrecognized arguments: pretrain_gpt.py" in proc.stderr
+
+
+def test_train_help_lists_the_values_of_flags_that_take_a_choice(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    out = capsys.readouterr().out
+    assert "--offload-step {per_parameter,chunked} " in out
+    assert "--offload-convert {host,device} " in out
+
+
+def test_the_training_loop_without_cuda_is_refused_in_one_line(tmp_path):
+    # what pretrain() does first: Megatron-LM's own initialize_megatron, which asserts CUDA
+    (tmp_path / "script.py").write_text(
+        "from megatron.training.initialize import initialize_megatron\ninitialize_megatron()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.train", str(tmp_path / "script.py"), NO_FUSION],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("megatron_ext.train: error: ") and "needs a CUDA GPU" in last
+
+
+def test_other_assertions_of_the_script_keep_their_traceback(tmp_path):
+    (tmp_path / "script.py").write_text("assert False, 'a check of the script'\n")
+    with pytest.raises(AssertionError, match="a check of the script"):
+        train.main([str(tmp_path / "script.py"), NO_FUSION])
+
+
+def _test_command_copy(tmp_path: Path) -> Path:
+    """scripts/test.sh and its set-up in a scratch tree with one passing test."""
+    (tmp_path / "scripts").mkdir()
+    for name in ("test.sh", "setup_env.sh"):
+        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_one.py").write_text("def test_one():\n    assert 2 + 2 == 4\n")
+    return tmp_path / "scripts" / "test.sh"
+
+
+def test_the_test_command_uses_the_python_it_is_given_as_it_is(tmp_path):
+    script = _test_command_copy(tmp_path)
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(script), "-p", "no:cacheprovider", "tests/test_one.py"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "1 passed" in proc.stdout and f"using PYTHON={sys.executable} as it is" in proc.stderr
+    assert not (tmp_path / ".venv").exists()  # nothing created, nothing installed
+
+
+def test_the_test_command_names_what_the_given_python_lacks(tmp_path):
+    script = _test_command_copy(tmp_path)
+    # an interpreter without hypothesis and megatron-core: this one with them blocked
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['hypothesis'] = None\nsys.modules['megatron'] = None\n"
+    )
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={block} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    proc = subprocess.run(
+        ["bash", str(script), "tests/test_one.py"],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHON": str(python)},
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"error: PYTHON={python} lacks: megatron-core hypothesis"), line
+    assert not (tmp_path / ".venv").exists()

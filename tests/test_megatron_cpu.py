@@ -470,7 +470,9 @@ def test_ddp_and_distributed_optimizer_on_cpu(tmp_path, world, overlap):
                 assert step["norm"] == pytest.approx(step["ref"], rel=1e-6)
                 assert step["ref"] > CLIP  # every step clips
                 # megatron-core's gradient reduction: one reduce-scatter per bucket, async
-                # with overlap_grad_reduce, on the current stream (one optimizer instance)
+                # with overlap_grad_reduce, on the current stream (one optimizer instance);
+                # the same calls on every torch (torch 2.11 re-dispatches reduce_scatter_tensor
+                # through the shim's function mode: one call still, see the test below)
                 kinds = {tuple(c) for c in step["grad_sync"]}
                 assert kinds == {("reduce_scatter_tensor", "default", overlap)}, kinds
         # the same collectives as stock in each optimizer step after the first (stock's
@@ -482,6 +484,33 @@ def test_ddp_and_distributed_optimizer_on_cpu(tmp_path, world, overlap):
             assert torch.allclose(a, b, rtol=2**-7, atol=1e-6), name
             moved = (a - init[name].float()).abs().max().item()
             assert moved > LR / 2, name  # far beyond the tolerance above
+
+
+def collectives_job(rank, world, log, out_dir):
+    """Each collective megatron-core calls, once, as it calls it: through
+    ``torch.distributed`` and through the functions param_and_grad_buffer bound at import."""
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+
+    log.clear()
+    dist.all_reduce(torch.ones(4))
+    dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world))
+    pgb.dist_reduce_scatter_func(torch.empty(2), torch.ones(2 * world), async_op=True)
+    dist.all_gather_into_tensor(torch.empty(2 * world), torch.ones(2))
+    return [e[1] + ("/async" if e[5] else "") for e in log.of("collective")]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_shim_records_each_collective_once_whichever_way_torch_dispatches_it(tmp_path, world):
+    # torch re-enters a collective through the shim's function mode with its module-level
+    # name (all_reduce on every torch, reduce_scatter_tensor and all_gather_into_tensor on
+    # 2.11): that is torch's dispatch, not a second collective
+    for got in run_ranks(tmp_path, world, collectives_job):
+        assert got == [
+            "all_reduce",
+            "reduce_scatter_tensor",
+            "reduce_scatter_tensor/async",
+            "all_gather_into_tensor",
+        ]
 
 
 def test_the_shim_records_streams_events_and_devices():

@@ -17,7 +17,8 @@ CPU under gloo, at one rank or several spawned ranks:
   current when each collective was issued, every ``wait_stream`` / ``wait_event`` /
   ``record``, synchronizations; a test can assert the order the real device needs;
 - collectives run synchronously, one by one, as ``tests/support/multirank`` runs them on
-  one GPU, and each is recorded (function, reduce op, group ranks, stream, async or not).
+  one GPU, and each is recorded once, as megatron-core called it (function, reduce op,
+  group ranks, stream, async or not), whichever way torch dispatches it inside.
 
 Nothing of megatron-core is changed: its modules see the stand-ins through ``torch.cuda``
 and ``torch.distributed``, and the collectives ``param_and_grad_buffer`` and
@@ -130,6 +131,7 @@ class _State:
 
     def __init__(self) -> None:
         self.stack: list[RecordingStream] = []
+        self.in_collective = False  # a recorded collective is running (see the recorder)
 
     def current(self) -> RecordingStream:
         if not self.stack:
@@ -194,6 +196,14 @@ class _OneByOne:
 def _recording_collective(name: str, fn, log: Log):
     @functools.wraps(fn)
     def wrapper(*args: Any, async_op: bool = False, **kwargs: Any):
+        if _STATE.in_collective:
+            # torch's own re-dispatch of the collective being recorded, not a second call:
+            # with a torch function mode active (_CudaToCpu), torch hands the call back
+            # through ``handle_torch_function`` with the module-level name, which is this
+            # wrapper (all_reduce on every torch; reduce_scatter_tensor and
+            # all_gather_into_tensor on torch 2.11, not 2.14, where they delegate to
+            # unpatched ``*_single`` functions)
+            return fn(*args, async_op=async_op, **kwargs)
         group = kwargs.get("group")
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else "world"
         op = kwargs.get("op")
@@ -202,7 +212,11 @@ def _recording_collective(name: str, fn, log: Log):
                             stream, async_op))  # fmt: skip
         if name == "all_gather_object":
             return fn(*args, **kwargs)
-        out = fn(*args, async_op=False, **kwargs)
+        _STATE.in_collective = True
+        try:
+            out = fn(*args, async_op=False, **kwargs)
+        finally:
+            _STATE.in_collective = False
         return _OneByOne() if async_op else out
 
     return wrapper
