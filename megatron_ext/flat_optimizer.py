@@ -19,10 +19,14 @@ class FlatNormOptimizer:
     def _copy_model_grads_to_main_grads(self):
         if self._flat.bindings is None:
             return self._flat_base._copy_model_grads_to_main_grads(self)
-        for dst, src in (c for t in self._flat.targets for c in t.copies):
-            dst.copy_(src)  # one copy (and cast) per owned range, into a preallocated mirror
+        self._flat.fill_mirrors()
         for tensor, attr, view in self._flat.bindings:
             setattr(tensor, attr, view)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self._flat_base.zero_grad(self, set_to_none)
+        if set_to_none:  # where stock frees its fp32 copies ([Note: the mirror lives ...])
+            self._flat.release_mirrors()
 
     def _flat_local_zeros(self) -> torch.Tensor:
         return ops.count_zeros_groups(
