@@ -392,12 +392,36 @@ def parse_args(argv: list[str] | None):
         ("--rounds", 2, "interleaved rounds: every configuration built and stepped once each"),
     ):
         ap.add_argument(name, type=int, default=default, help=f"{meaning} (default: %(default)s)")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="comma-separated configuration names to run, ours and stock (default: every "
+        f"one: {', '.join(sorted({r.label for r in runs()}))})",
+    )
     return ap.parse_args(argv)
+
+
+def selected_runs(configs: str) -> list[Run]:
+    """The runs of the configurations named in ``configs`` (comma-separated; empty: all).
+
+    Raises:
+        SystemExit: a name that is no configuration's.
+    """
+    todo = runs()
+    wanted = [c for c in configs.split(",") if c]
+    unknown = sorted(set(wanted) - {r.label for r in todo})
+    if unknown:
+        raise SystemExit(
+            f"--configs: no configuration named {', '.join(unknown)}; the names are "
+            f"{', '.join(sorted({r.label for r in todo}))}"
+        )
+    return [r for r in todo if not wanted or r.label in wanted]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Measure every configuration, write JSON and PNG, print the table; CUDA only."""
     args = parse_args(argv)
+    todo = selected_runs(args.configs)
     if args.device != "cuda" or not torch.cuda.is_available():
         raise SystemExit(
             "train_step needs CUDA (megatron-core's DDP and optimizers allocate on CUDA): "
@@ -409,7 +433,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(
         f"torch intra-op threads (the CPU optimizer's): {torch.get_num_threads()}", file=sys.stderr
     )
-    todo = runs()
     rows = measure_rounds(
         len(todo),
         max(1, args.rounds),

@@ -80,12 +80,26 @@ def test_norm_clip_cpu_rows(norm_clip_run):
             assert r["note"] == "per-parameter algorithm re-implemented for CPU"
 
 
-def test_memory_layout_rows(tmp_path):
+def test_memory_layout_and_measured_rows(tmp_path, capsys):
     script = load_script("memory")
     script.main(["--device", "cpu", "--out", str(tmp_path)])
     records = read_outputs(tmp_path, "memory")
-    assert {r["model"] for r in records} == {"deepseek_tp1_pp32_ep8", "dense70b_tp8_pp8"}
-    for r in records:
+    measured = {r["config"]: r for r in records if r["kind"] == "measured"}
+    layout = [r for r in records if r["kind"] == "layout"]
+    # Each configuration, in its own process, through its optimizer steps: on the CPU the
+    # bytes held between steps and inside the step; the peaks are GPU-only, and say so.
+    assert set(measured) == {"on", "off", "grad_reduce_in_fp32"}
+    for r in measured.values():
+        assert r["error"] is None and r["device"] == "cpu", r
+        assert set(r) == set(script.memory_ddp.MEASURED_FIELDS)
+        assert r["peak_allocated_bytes"] is None and r["peak_optimizer_step_gib"] is None
+        assert r["in_step_bytes"] > r["held_bytes"] > r["grad_buffer_bytes"] > 0
+    on, off = measured["on"], measured["off"]
+    assert on["held_bytes"] <= off["held_bytes"] and on["in_step_bytes"] <= off["in_step_bytes"]
+    table = capsys.readouterr().out
+    assert "GPU peak GiB" in table and "GPU only" in table
+    assert {r["model"] for r in layout} == {"deepseek_tp1_pp32_ep8", "dense70b_tp8_pp8"}
+    for r in layout:
         assert r["kind"] == "layout"
         assert set(script.LAYOUT_FIELDS) <= set(r)
         assert r["ours_bytes"] < r["fp32_bytes"]
@@ -369,12 +383,12 @@ def test_out_comes_from_the_flag_then_OUT_then_bench_out(tmp_path, monkeypatch):
     script = load_script("memory")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OUT", str(tmp_path / "from_env"))
-    script.main(["--device", "cpu"])
+    script.main(["--device", "cpu", "--no-measured"])
     assert (tmp_path / "from_env" / "memory.json").exists()
-    script.main(["--device", "cpu", "--out", str(tmp_path / "from_flag")])
+    script.main(["--device", "cpu", "--no-measured", "--out", str(tmp_path / "from_flag")])
     assert (tmp_path / "from_flag" / "memory.json").exists()
     monkeypatch.delenv("OUT")
-    script.main(["--device", "cpu"])
+    script.main(["--device", "cpu", "--no-measured"])
     assert (tmp_path / "bench-out" / "memory.json").exists()
 
 
@@ -594,7 +608,7 @@ def _capture_figures(monkeypatch) -> list[dict]:
 @pytest.mark.parametrize(
     ("name", "argv", "panels", "megatron"),
     [
-        ("memory", [], 1, True),
+        ("memory", ["--no-measured"], 1, True),
         ("clip_step", ["--bytes", "65536", "--warmup", "0", "--rounds", "2"], 1, False),
         ("offload", ["--bytes", "65536", "--warmup", "0", "--rounds", "2"], 2, True),
         ("offload_step", OFFLOAD_STEP_TINY, 1, False),
@@ -668,6 +682,17 @@ def test_train_step_rows_take_each_phase_from_the_fastest_round():
     assert row["peak_gib"] == 2.5 and row["grad_norm"] == 1.25
     failed = script.combine_rounds([rounds[0], {"config": "distopt", "error": "E: x"}])
     assert failed["error"] == "E: x" and "fwd_bwd_ms" not in failed
+
+
+def test_train_step_runs_the_configurations_asked_for():
+    script = load_script("train_step")
+    picked = script.selected_runs("distopt,offload_0.5")
+    assert [(r.label, r.option) for r in picked] == [
+        ("offload_0.5", True), ("offload_0.5", False), ("distopt", True), ("distopt", False)
+    ]  # fmt: skip
+    assert script.selected_runs("") == script.runs()
+    with pytest.raises(SystemExit, match="no configuration named nope; the names are"):
+        script.selected_runs("distopt,nope")
 
 
 def test_train_step_phase_peaks_are_each_phases_own_and_the_peak_is_everything(monkeypatch):
@@ -954,7 +979,7 @@ def test_memory_ddp_stock_failure_is_its_row(monkeypatch):
 
     script = load_script("memory_ddp")
     monkeypatch.setenv("BENCHMARKS_STOCK_FAULT", "raise:grad_reduce_in_fp32")
-    fields = script.measure_stock("grad_reduce_in_fp32", 64, 1)
+    fields = script.measure_in_fresh_process("grad_reduce_in_fp32", 64, 1)
     assert fields["error"] == "RuntimeError: fault injected by BENCHMARKS_STOCK_FAULT"
     assert isolation.status(fields["error"]) == f"failed ({fields['error']})"
     assert isolation.status(None) == "ok"

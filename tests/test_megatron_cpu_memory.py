@@ -9,7 +9,8 @@ gradients. Stock allocates them in the copy step and frees them in
 ``zero_grad(set_to_none=True)``, which runs before forward: ours must hold no more than
 stock through forward and backward, where activations peak.
 
-The measure is the bytes of every distinct tensor storage reachable from Python (``gc``),
+The measure is the bytes of every distinct tensor storage reachable from Python
+(``benchmarks.memory_ddp.live_storage_bytes``),
 taken after ``zero_grad`` (what forward and backward start with) and inside the step, after
 the copy to main gradients (both sides then hold their fp32 copies). The CPU has no
 allocator statistics; tensors only autograd holds are the same on both sides.
@@ -17,11 +18,10 @@ allocator statistics; tensors only autograd holds are the same on both sides.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
+from benchmarks.memory_ddp import live_storage_bytes
 from tests.test_megatron_cpu import run_ranks
 
 pytest.importorskip("megatron.core")
@@ -52,21 +52,6 @@ class WideMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         h = torch.relu(x @ self.w1.t()) @ self.w2.t()
         return ((h.float() * self.alpha.float() - t) ** 2).sum() / BATCH
-
-
-def live_storage_bytes() -> int:
-    """Bytes of every distinct CPU tensor storage reachable from Python objects."""
-    gc.collect()
-    storages: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
-            continue
-        storage = obj.untyped_storage()
-        if storage.data_ptr():
-            storages[storage.data_ptr()] = max(
-                storages.get(storage.data_ptr(), 0), storage.nbytes()
-            )
-    return sum(storages.values())
 
 
 def measured_steps(option: bool) -> dict:
