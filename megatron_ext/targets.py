@@ -77,6 +77,28 @@ class FlatOptimizerState:
             for dst, src in t.copies:
                 dst.copy_(src)  # one copy (and cast) per owned range
 
+    def check_mirrors_filled(self, scaling: bool) -> None:
+        """Raise unless every mirror about to be read holds memory: reading one that
+        :meth:`release_mirrors` freed would read through a null address (a crash, not an
+        error, on either device).
+
+        Args:
+            scaling: a clip is about to scale (every mirror is read), else only a norm or a
+                zero count (only the mirrors the norm reads).
+
+        Raises:
+            RuntimeError: such a mirror was freed by ``zero_grad()`` and not filled since.
+        """
+        for t in self.targets:
+            m = t.mirror
+            read = m is not None and (scaling or t.norm_reads_mirror)
+            if read and m.numel() and not m.untyped_storage().nbytes():
+                raise RuntimeError(
+                    f"the optimizer's fp32 copies of the {t.name} were freed by zero_grad() "
+                    "and not made since, and this reads them; call "
+                    "optimizer.prepare_grads() (step() does) after backward, before reading them"
+                )
+
     def release_mirrors(self) -> None:
         """Free every mirror's storage until the next :meth:`fill_mirrors` ([Note: the
         mirror lives for one step])."""
@@ -95,7 +117,8 @@ class FlatOptimizerState:
 # 4 bytes per owned element through forward and backward, where activations peak. So the
 # mirror's *storage* is freed where stock frees its copies and regrown by the next copy
 # step: every view stays a view of the same storage object and reads the new memory.
-# Nothing may read a mirror in between (its views have no memory then; torch raises). A
+# Nothing may read a mirror in between (its views then point at no memory, which torch does
+# not check): the flat norm, clip and zero count call check_mirrors_filled first. A
 # CUDA graph that captured the old address notices that the storage moved
 # (buffers.graphs.GraphReplayer's sources) and is captured again. A reader on another
 # stream that outlives the step (an overlapped host step) must ``record_stream`` the mirror,

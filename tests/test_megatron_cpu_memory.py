@@ -54,8 +54,8 @@ class WideMLP(torch.nn.Module):
         return ((h.float() * self.alpha.float() - t) ** 2).sum() / BATCH
 
 
-def measured_steps(option: bool) -> dict:
-    """Build, then STEPS steps; live bytes after each zero_grad and after each copy step."""
+def build(option: bool, **optimizer):
+    """The DDP model and optimizer, Adam, clipped, bf16; ``optimizer`` adds config fields."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_ext
@@ -67,9 +67,18 @@ def measured_steps(option: bool) -> dict:
         WideMLP(option),
         tcfg,
         per_dtype_grad_buffers=option,
-        optimizer=dict(optimizer="adam", lr=LR, clip_grad=CLIP, bf16=True),
+        optimizer=dict(optimizer="adam", lr=LR, clip_grad=CLIP, bf16=True, **optimizer),
     )
-    model, opt = stack.model, stack.optimizer
+    return stack.model, stack.optimizer
+
+
+def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(BATCH, IN, generator=g).to(BF16), torch.randn(BATCH, IN, generator=g)
+
+
+def measured_steps(option: bool) -> dict:
+    """Build, then STEPS steps; live bytes after each zero_grad and after each copy step."""
+    model, opt = build(option)
     initial = {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
     held, in_step, norms = [], [], []
     g = torch.Generator().manual_seed(7)
@@ -77,8 +86,7 @@ def measured_steps(option: bool) -> dict:
         model.zero_grad_buffer()
         opt.zero_grad()
         held.append(live_storage_bytes())
-        x, t = torch.randn(BATCH, IN, generator=g).to(BF16), torch.randn(BATCH, IN, generator=g)
-        model(x, t).backward()
+        model(*batch(g)).backward()
         model.finish_grad_sync()
         opt.prepare_grads()
         in_step.append(live_storage_bytes())
@@ -90,9 +98,45 @@ def measured_steps(option: bool) -> dict:
     return dict(held=held, in_step=in_step, norms=norms, params=params, moved=moved)
 
 
+def _error_of(fn) -> str | None:
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def freed_reads(**optimizer) -> dict:
+    """Ours: what norm, zero count and clip do once zero_grad freed the mirror, then after
+    the copy step, and after zero_grad(set_to_none=False) (which keeps the mirror)."""
+    model, opt = build(True, **optimizer)
+    g = torch.Generator().manual_seed(5)
+    reads = {
+        "norm": opt.get_grad_norm,
+        "zeros": opt.count_zeros,
+        "clip": lambda: opt.clip_grad_norm(CLIP),
+    }
+    out = {}
+    for when in ("freed", "filled", "zeroed in place"):
+        model.zero_grad_buffer()
+        opt.zero_grad(set_to_none=when != "zeroed in place")
+        model(*batch(g)).backward()
+        model.finish_grad_sync()
+        if when == "filled":
+            opt.prepare_grads()
+        out[when] = {name: _error_of(fn) for name, fn in reads.items()}
+        opt.step()
+    return out
+
+
 def memory_job(rank, world, log, out_dir, option):
     """One build in a process of its own: nothing of the other build is alive."""
     return measured_steps(bool(option))
+
+
+def freed_reads_job(rank, world, log, out_dir):
+    # A loss scale makes the norm read the mirror (megatron-core unscales only the copies).
+    return {"unscaled": freed_reads(), "loss_scaled": freed_reads(loss_scale=1024.0)}
 
 
 def bytes_of(ours: dict, stock: dict) -> dict:
@@ -121,3 +165,21 @@ def test_ours_holds_no_more_than_stock_between_steps(tmp_path):
     for name, p in stock["params"].items():
         torch.testing.assert_close(ours["params"][name], p, rtol=1e-2, atol=1e-3)
     assert min(ours["moved"], stock["moved"]) > LR  # Adam moves each element about LR a step
+
+
+def test_reading_freed_copies_is_an_error_that_says_what_to_call(tmp_path):
+    """Once zero_grad freed the mirror, what reads it (the clip always; norm and zero count
+    when a loss scale makes them read the unscaled copies) raises, saying what to call,
+    instead of reading through a null address; after the copy step, or with
+    zero_grad(set_to_none=False), every read works."""
+    (out,) = run_ranks(tmp_path, 1, freed_reads_job)
+    reads_mirror = {"unscaled": {"clip"}, "loss_scaled": {"norm", "zeros", "clip"}}
+    for scaling, by_when in out.items():
+        for name, error in by_when["freed"].items():
+            if name in reads_mirror[scaling]:
+                assert error is not None, (scaling, name)
+                assert "freed by zero_grad()" in error and "prepare_grads()" in error
+            else:
+                assert error is None, (scaling, name, error)
+        assert set(by_when["filled"].values()) == {None}, (scaling, by_when)
+        assert set(by_when["zeroed in place"].values()) == {None}, (scaling, by_when)
