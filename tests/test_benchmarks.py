@@ -97,7 +97,12 @@ def test_memory_layout_and_measured_rows(tmp_path, capsys):
     on, off = measured["on"], measured["off"]
     for r in (on, off):  # bf16 gradients: inside the step, fp32 copies of them are alive
         assert r["in_step_bytes"] - r["held_bytes"] >= 4 * r["hidden"] ** 2 * r["layers"]
-    assert on["held_bytes"] <= off["held_bytes"] and on["in_step_bytes"] <= off["in_step_bytes"]
+    # Ours holds no more than stock, up to alignment padding and the norm's scalars: far
+    # less than the fp32 copy of the gradients a mirror kept between steps would add.
+    slack = 16 * 1024
+    assert 4 * on["hidden"] ** 2 * on["layers"] > 8 * slack
+    assert on["held_bytes"] <= off["held_bytes"] + slack
+    assert on["in_step_bytes"] <= off["in_step_bytes"] + slack
     table = capsys.readouterr().out
     assert "GPU peak GiB" in table and "GPU only" in table
     assert {r["model"] for r in layout} == {"deepseek_tp1_pp32_ep8", "dense70b_tp8_pp8"}
