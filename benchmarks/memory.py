@@ -10,9 +10,12 @@ TP-sharded shapes). Columns: ours (``buffers.plan_layout``: bf16 buffers, fp32 i
 ``DistributedOptimizer.compute_full_param_layout`` with ``grad_reduce_in_fp32=False``:
 gradients in their parameter's dtype) and fp32 (the same with ``grad_reduce_in_fp32=True``).
 
-Measured rows (CUDA only): peak allocated memory of a megatron-core DDP + distributed
-optimizer model with ``megatron_ext``'s ``per_dtype_grad_buffers`` on, off, and with
-``grad_reduce_in_fp32=True`` (see ``memory_ddp.py``).
+Measured rows: a megatron-core DDP + distributed optimizer model with ``megatron_ext``'s
+``per_dtype_grad_buffers`` on, off, and with ``grad_reduce_in_fp32=True``, each in a process
+of its own, through its optimizer steps (see ``memory_ddp.py``): the bytes held between steps
+and inside the step on both devices; peak allocated, and the peaks of forward+backward and of
+the optimizer step, on CUDA only (the CPU rows run megatron-core through the test shim, at
+small sizes, and count live tensor bytes).
 
 Writes DIR/memory.json (``kind`` is ``"layout"`` or ``"measured"``; fields in
 :data:`LAYOUT_FIELDS` and ``memory_ddp.MEASURED_FIELDS``), DIR/memory.png and DIR/memory.txt
@@ -21,6 +24,7 @@ Writes DIR/memory.json (``kind`` is ``"layout"`` or ``"measured"``; fields in
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -153,16 +157,28 @@ def parse_args(argv: list[str] | None):
     ap.add_argument(
         "--hidden",
         type=int,
-        default=8192,
-        help="hidden size of the measured model, CUDA only (default: %(default)s)",
+        default=None,
+        help=f"hidden size of the measured model (default: {MEASURED_SIZES['cuda'][0]} on "
+        f"CUDA, {MEASURED_SIZES['cpu'][0]} on the CPU)",
     )
     ap.add_argument(
         "--layers",
         type=int,
-        default=8,
-        help="Linear layers of the measured model, CUDA only (default: %(default)s)",
+        default=None,
+        help=f"Linear layers of the measured model (default: {MEASURED_SIZES['cuda'][1]} on "
+        f"CUDA, {MEASURED_SIZES['cpu'][1]} on the CPU)",
+    )
+    ap.add_argument(
+        "--measured",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the three configurations, each in a process of its own (default: "
+        "%(default)s; --no-measured writes the layout rows alone)",
     )
     return ap.parse_args(argv)
+
+
+MEASURED_SIZES = {"cuda": (8192, 8), "cpu": (256, 2)}  # (hidden, layers) by device type
 
 
 def plot(records: list[dict], out_dir: Path, title: str) -> Path:
@@ -216,13 +232,49 @@ LAYOUT_TABLE = (
         "bytes, stock minus ours (padding and bucket rounding differ)",
     ),
 )
+
+
+def _gpu_gib(v: float | None) -> str:
+    return "GPU only" if v is None else _gib(v)
+
+
+def _mib(v: int | None) -> str:
+    return "" if v is None else f"{v / 2**20:.3f}"
+
+
 MEASURED_TABLE = (
     common.Column("config", "config"),
+    common.Column("device", "device"),
     common.Column(
-        "peak GiB",
+        "held MiB",
+        "held_bytes",
+        _mib,
+        "after zero_grad, what forward and backward start with (CUDA: allocated; CPU: live "
+        "tensor storages)",
+    ),
+    common.Column(
+        "in step MiB",
+        "in_step_bytes",
+        _mib,
+        "after the optimizer's copy to main gradients, as held MiB",
+    ),
+    common.Column(
+        "GPU peak GiB",
         "peak_allocated_gib",
-        _gib,
-        "peak allocated over build, one step and the optimizer",
+        _gpu_gib,
+        "peak allocated over build and steps (GPU only: the CPU keeps no peak)",
+    ),
+    common.Column(
+        "GPU fwd+bwd peak",
+        "peak_fwd_bwd_gib",
+        _gpu_gib,
+        "GiB, peak of the last step's forward and backward (GPU only)",
+    ),
+    common.Column(
+        "GPU opt step peak",
+        "peak_optimizer_step_gib",
+        _gpu_gib,
+        "GiB, peak of the last optimizer step: copy, norm, clip, inner step (GPU only)",
     ),
     common.Column("grad buffers GiB", "grad_buffer_gib", _gib, "DDP gradient buffers alone"),
     common.Column(
@@ -245,14 +297,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         layout_record(s, args.dp, args.bucket_size)
         for s in common.progress(settings(), "memory layouts")
     ]
-    if device.type == "cuda":
-        records += memory_ddp.measure_peak_memory(args.hidden, args.layers)
-    else:
-        print(
-            "measured peak memory: skipped on the CPU (megatron-core's DDP and distributed "
-            "optimizer need CUDA); run with --device cuda",
-            file=sys.stderr,
-        )
+    hidden, layers = MEASURED_SIZES[device.type]
+    hidden = args.hidden if args.hidden is not None else hidden
+    layers = args.layers if args.layers is not None else layers
+    if args.measured:
+        records += memory_ddp.measure_memory(hidden, layers, device.type)
     json_path = common.write_json(records, args.out, "memory")
     png_path = plot(records, args.out, title)
     tables = common.format_table([r for r in records if r["kind"] == "layout"], LAYOUT_TABLE)

@@ -1,18 +1,31 @@
-"""Measured peak memory of megatron-core DDP + distributed optimizer, three configurations.
+"""Measured memory of megatron-core DDP + distributed optimizer, three configurations.
 
-CUDA only, one GPU, one rank. The model is a stack of bf16 ``Linear`` layers with a few
-fp32 parameters (a hyper-connection-like weight per layer and a sink vector). Each
-configuration builds the model, wraps it with ``megatron_ext.DistributedDataParallel``,
-builds the optimizer with ``megatron_ext.get_megatron_optimizer`` (both through
-``megatron_ext.build_stack``) and runs one training step; the record holds the peak
-allocated memory over all of that. Stock's configurations (``off``,
-``grad_reduce_in_fp32``) each run in a process of their own (``benchmarks/isolation.py``):
-a CUDA error in megatron-core's norm there is that row's error, not the end of the run.
+One rank. The model is a stack of bf16 ``Linear`` layers with a few fp32 parameters (a
+hyper-connection-like weight per layer and a sink vector). Each configuration builds the
+model, wraps it with ``megatron_ext.DistributedDataParallel``, builds the optimizer with
+``megatron_ext.get_megatron_optimizer`` (both through ``megatron_ext.build_stack``) and runs
+:data:`STEPS` training steps (the first creates the optimizer's state), in a process of its
+own (``benchmarks/isolation.py``): nothing of another configuration is alive there, and a
+CUDA error in megatron-core's norm is that row's error, not the end of the run.
+
+What is measured, in the last step:
+
+- ``held``: what forward and backward start with, after ``zero_grad``: parameters,
+  gradient buffers, optimizer state, and whatever else the optimizer keeps between steps.
+- ``in_step``: after the optimizer's copy to main gradients (its fp32 copies are alive).
+- on CUDA only: peak allocated over everything, and the peaks of forward+backward and of
+  the optimizer step (copy, norm, clip, inner step), each its phase's own.
+
+On CUDA from the caching allocator; on the CPU (megatron-core through the test shim
+``tests/support/cpu_megatron.py``, small sizes) as the bytes of every tensor storage
+reachable from Python (:func:`live_storage_bytes`: tensors only autograd holds, the
+activations, are not seen) and with no peaks: the CPU keeps no allocator statistics.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 import tempfile
@@ -25,7 +38,6 @@ import torch
 
 from benchmarks import common, isolation
 
-INIT_METHOD = "tcp://127.0.0.1:29533"
 CHILD_MODULE = "benchmarks.memory_ddp"  # how a child process imports this file
 # name -> (per_dtype_grad_buffers, grad_reduce_in_fp32); stock: the option off
 CONFIGS = {
@@ -34,11 +46,16 @@ CONFIGS = {
     "grad_reduce_in_fp32": (False, True),
 }
 MEASURED_FIELDS = (
-    "kind", "model", "config", "per_dtype_grad_buffers", "grad_reduce_in_fp32", "hidden",
-    "layers", "num_params", "numel", "peak_allocated_bytes", "peak_allocated_gib",
+    "kind", "model", "device", "config", "per_dtype_grad_buffers", "grad_reduce_in_fp32",
+    "hidden", "layers", "num_params", "numel", "peak_allocated_bytes", "peak_allocated_gib",
+    "held_bytes", "held_gib", "in_step_bytes", "in_step_gib", "peak_fwd_bwd_bytes",
+    "peak_fwd_bwd_gib", "peak_optimizer_step_bytes", "peak_optimizer_step_gib",
     "grad_buffer_bytes", "grad_buffer_gib", "error", "error_at",
 )  # fmt: skip
+# Measured on CUDA only (None on the CPU, which keeps no allocator statistics).
+GPU_ONLY = ("peak_allocated", "peak_fwd_bwd", "peak_optimizer_step")
 TOKENS = 1024
+STEPS = 2  # the first creates the optimizer's state; the last is measured
 
 
 class MixedLinearStack(torch.nn.Module):
@@ -46,6 +63,7 @@ class MixedLinearStack(torch.nn.Module):
 
     def __init__(self, hidden: int, layers: int) -> None:
         super().__init__()
+        # "cuda" on the CPU too: the test shim puts megatron-core's CUDA tensors there.
         kw = {"bias": False, "dtype": torch.bfloat16, "device": "cuda"}
         self.layers = torch.nn.ModuleList(
             torch.nn.Linear(hidden, hidden, **kw) for _ in range(layers)
@@ -65,18 +83,103 @@ def _grad_buffer_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in [*(b.grad_data for b in buffers), *islands])
 
 
-def _train_step(model, optimizer, hidden: int) -> None:
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    x = torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16)
+def live_storage_bytes() -> int:
+    """Bytes of every distinct CPU tensor storage reachable from Python objects."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+            continue
+        storage = obj.untyped_storage()
+        if storage.data_ptr():
+            storages[storage.data_ptr()] = max(
+                storages.get(storage.data_ptr(), 0), storage.nbytes()
+            )
+    return sum(storages.values())
+
+
+class _Meter:
+    """Bytes at named points and, on CUDA, peaks per phase and overall, net of the bytes
+    allocated before the build (the process group's)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.points: dict[str, int] = {}
+        self.peaks: dict[str, int] = {}
+        _release()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.before = self._now()
+        self.overall = 0
+
+    def _now(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else live_storage_bytes()
+
+    def _fold(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.overall = max(self.overall, torch.cuda.max_memory_allocated())
+
+    def point(self, name: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.points[name] = self._now() - self.before
+
+    def phase(self, name: str, fn) -> None:
+        """Run ``fn``; on CUDA its own peak is ``peaks[name]`` (the last call's)."""
+        self._fold()  # a reset would lose the peak so far
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peaks[name] = torch.cuda.max_memory_allocated() - self.before
+            self._fold()
+
+    def fields(self) -> dict:
+        self._fold()
+        out = dict(self.points)
+        if self.cuda:
+            out |= self.peaks | {"peak_allocated": self.overall - self.before}
+        return {
+            f"{k}_{unit}": (None if v is None else v if unit == "bytes" else common.gib(v))
+            for k, v in (dict.fromkeys(GPU_ONLY) | out).items()
+            for unit in ("bytes", "gib")
+        }
+
+
+def _fwd_bwd(model, x: torch.Tensor) -> None:
     model(x).float().square().mean().backward()
     model.finish_grad_sync()
-    optimizer.step()
+
+
+def _optimizer_step(optimizer, meter: _Meter | None) -> None:
+    optimizer.prepare_grads()
+    if meter is not None:
+        meter.point("in_step")
+    optimizer.step()  # prepares again: the same copies, into the same memory
+
+
+def _steps(model, optimizer, hidden: int, meter: _Meter) -> None:
+    for step in range(STEPS):
+        last = step == STEPS - 1
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        if last:
+            meter.point("held")
+        x = torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16)
+        meter.phase("peak_fwd_bwd", functools.partial(_fwd_bwd, model, x))
+        meter.phase(
+            "peak_optimizer_step",
+            functools.partial(_optimizer_step, optimizer, meter if last else None),
+        )
 
 
 def _release() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _load_api() -> SimpleNamespace:
@@ -86,12 +189,12 @@ def _load_api() -> SimpleNamespace:
     return SimpleNamespace(build_stack=build_stack, mark_keep_in_fp32=mark_keep_in_fp32)
 
 
-def _measure_config(api, per_dtype: bool, fp32_reduce: bool, hidden: int, layers: int) -> dict:
+def _measure_config(
+    api, per_dtype: bool, fp32_reduce: bool, hidden: int, layers: int, cuda: bool = True
+) -> dict:
     from megatron.core.transformer import TransformerConfig
 
-    _release()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
+    meter = _Meter(cuda)
     module = MixedLinearStack(hidden, layers)
     for p in (module.hc_alpha, module.sink):
         api.mark_keep_in_fp32(p)
@@ -110,13 +213,9 @@ def _measure_config(api, per_dtype: bool, fp32_reduce: bool, hidden: int, layers
         optimizer=dict(lr=1e-3, bf16=True, clip_grad=1.0),
     )
     model, optimizer = stack.model, stack.optimizer
-    _train_step(model, optimizer, hidden)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    _steps(model, optimizer, hidden, meter)
     grads = _grad_buffer_bytes(model)
-    return {
-        "peak_allocated_bytes": peak,
-        "peak_allocated_gib": common.gib(peak),
+    return meter.fields() | {
         "grad_buffer_bytes": grads,
         "grad_buffer_gib": common.gib(grads),
         "num_params": sum(1 for _ in module.parameters()),
@@ -124,8 +223,8 @@ def _measure_config(api, per_dtype: bool, fp32_reduce: bool, hidden: int, layers
     }
 
 
-def measure_stock(name: str, hidden: int, layers: int) -> dict:
-    """The stock configuration ``name``'s fields, measured in a process of its own.
+def measure_in_fresh_process(name: str, hidden: int, layers: int, device: str = "cuda") -> dict:
+    """The configuration ``name``'s fields, measured in a process of its own.
 
     Returns:
         What :func:`_measure_config` returns, or ``error`` / ``error_at`` when it raised
@@ -133,71 +232,60 @@ def measure_stock(name: str, hidden: int, layers: int) -> dict:
     """
     with isolation.Child(f"memory_ddp-{name}") as child:
         try:
-            return child.call(f"{CHILD_MODULE}:_child_measure", name, hidden, layers)
+            return child.call(f"{CHILD_MODULE}:_child_measure", name, hidden, layers, device)
         except isolation.ChildCrashed as exc:
             return {"error": f"crashed: {exc}", "error_at": "its own process"}
         except isolation.ChildFailed as exc:
             return exc.fields
 
 
-def _child_measure(state: dict, name: str, hidden: int, layers: int) -> dict:
-    isolation.fire(isolation.injected_fault(name))
+def _child_measure(state: dict, name: str, hidden: int, layers: int, device: str) -> dict:
+    per_dtype, fp32_reduce = CONFIGS[name]
+    if not per_dtype:  # the fault injection tests' stand-in for stock's crashes
+        isolation.fire(isolation.injected_fault(name))
     from megatron.core import parallel_state
 
-    per_dtype, fp32_reduce = CONFIGS[name]
-    torch.cuda.set_device(0)
+    cuda = device == "cuda"
     with contextlib.ExitStack() as stack:
+        if cuda:
+            torch.cuda.set_device(0)
+        else:  # megatron-core's CUDA calls on the CPU (its DDP and optimizers need CUDA)
+            from tests.support.cpu_megatron import cpu_megatron
+
+            stack.enter_context(cpu_megatron())
         store = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "store"
-        stack.enter_context(common.single_rank_process_group(f"file://{store}"))
+        backend = "nccl" if cuda else "gloo"
+        stack.enter_context(common.single_rank_process_group(f"file://{store}", backend))
         parallel_state.initialize_model_parallel()
         stack.callback(parallel_state.destroy_model_parallel)
-        return _measure_config(_load_api(), per_dtype, fp32_reduce, hidden, layers)
+        return _measure_config(_load_api(), per_dtype, fp32_reduce, hidden, layers, cuda)
 
 
-def measure_peak_memory(hidden: int, layers: int) -> list[dict]:
-    """Peak allocated memory per configuration in :data:`CONFIGS`, on CUDA device 0.
+def measure_memory(hidden: int, layers: int, device: str = "cuda") -> list[dict]:
+    """Memory per configuration in :data:`CONFIGS`, each in a process of its own.
 
     Args:
         hidden: the Linear layers' width.
         layers: how many Linear layers.
+        device: ``"cuda"`` (device 0, allocator statistics) or ``"cpu"`` (megatron-core
+            through the test shim; live tensor bytes, no peaks).
 
     Returns:
-        One ``kind="measured"`` record per configuration (with ``error`` where one failed);
-        empty when ``megatron_ext`` does not provide the integration yet.
+        One ``kind="measured"`` record per configuration (with ``error`` where one failed).
     """
-    try:
-        api = _load_api()
-    except ImportError as exc:
-        print(f"megatron_ext integration not available ({exc})")
-        return []
-    from megatron.core import parallel_state
-
     records = []
-    torch.cuda.set_device(0)
-    with common.single_rank_process_group(INIT_METHOD):
-        parallel_state.initialize_model_parallel()
-        try:
-            for name, (per_dtype, fp32_reduce) in common.progress(list(CONFIGS.items()), "ddp"):
-                rec = dict.fromkeys(MEASURED_FIELDS) | {
-                    "kind": "measured",
-                    "model": "mixed_linear_stack",
-                    "config": name,
-                    "per_dtype_grad_buffers": per_dtype,
-                    "grad_reduce_in_fp32": fp32_reduce,
-                    "hidden": hidden,
-                    "layers": layers,
-                }
-                try:
-                    if per_dtype:
-                        rec |= _measure_config(api, per_dtype, fp32_reduce, hidden, layers)
-                    else:
-                        rec |= measure_stock(name, hidden, layers)
-                except Exception as exc:  # record it and measure the next configuration
-                    rec |= common.error_fields(exc)
-                records.append(rec)
-                _release()
-        finally:
-            parallel_state.destroy_model_parallel()
+    for name, (per_dtype, fp32_reduce) in common.progress(list(CONFIGS.items()), "ddp"):
+        rec = dict.fromkeys(MEASURED_FIELDS) | {
+            "kind": "measured",
+            "model": "mixed_linear_stack",
+            "device": device,
+            "config": name,
+            "per_dtype_grad_buffers": per_dtype,
+            "grad_reduce_in_fp32": fp32_reduce,
+            "hidden": hidden,
+            "layers": layers,
+        }
+        records.append(rec | measure_in_fresh_process(name, hidden, layers, device))
     return records
 
 

@@ -5,13 +5,17 @@ A ``GPTModel`` with megatron-core's local (non-TE) layer spec, bf16 weights and 
 distributed optimizer. Each configuration is built with our option and with stock
 megatron-core; a configuration that fails to build or step is reported with its error.
 Per step: forward+backward, norm+clip, optimizer (copy to main grads + inner step + param
-gather), each timed with the device drained before and after; and peak allocated memory.
-Rounds are interleaved (``--rounds``): every configuration is built and stepped once per
-round, in turn; each phase reports its fastest round's median, ``step_spread`` how far the
-rounds' step times are apart, and a line warns when that exceeds 20%. Stock's configurations
-run in a process of their own (``benchmarks/isolation.py``; a fresh one after any error), so
-that a CUDA error there cannot poison ours: each row's ``status`` is ``ok``, ``failed (...)``
-or ``crashed (...)``.
+gather), each timed with the device drained before and after; and memory: the peak
+allocated over build and steps, the bytes held between steps (after ``zero_grad``, what
+forward starts with) and the peaks of the last step's forward+backward and optimizer phases.
+Every measurement (one configuration, one variant, one round) runs in a fresh process of
+its own (:func:`measure_in_fresh_process`, ``benchmarks/isolation.py``): a peak is that
+configuration's alone, nothing an earlier build left allocated or cached counts, and a CUDA
+error in stock's arm cannot poison ours. Rounds are interleaved (``--rounds``): every
+configuration is built and stepped once per round, in turn; each phase reports its fastest
+round's median, ``step_spread`` how far the rounds' step times are apart, and a line warns
+when that exceeds 20%. Each row's ``status`` is ``ok``, ``failed (...)`` or
+``crashed (...)``.
 
 CUDA only: megatron-core's DDP and optimizers allocate on CUDA.
 """
@@ -19,7 +23,7 @@ CUDA only: megatron-core's DDP and optimizers allocate on CUDA.
 from __future__ import annotations
 
 import contextlib
-import gc
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -115,6 +119,26 @@ def _model(args, fp32_islands: bool):
 OFFLOAD_STEP = "megatron_ext_offload_step"
 
 
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One measured run: a configuration, with our option or stock's."""
+
+    option: bool  # per_dtype_grad_buffers
+    label: str  # the configuration's name in the table
+    overrides: dict  # OptimizerConfig fields (and OFFLOAD_STEP)
+    fp32_islands: bool = True
+
+
+def runs() -> list[Run]:
+    """Every run of the table, in order: each configuration ours then stock, stock's seed
+    scenario with its islands in bf16 (with them it cannot build), ours' chunked steps."""
+    out = [Run(opt, label, ov) for label, ov in CONFIGS for opt in (True, False)]
+    out.append(Run(False, "pa_offload_0.5", CONFIGS[0][1], fp32_islands=False))
+    for label, ov in CONFIGS[:2]:
+        out.append(Run(True, f"{label}_chunked", ov | {OFFLOAD_STEP: "chunked"}))
+    return out
+
+
 def _build(args, option: bool, overrides: dict, fp32_islands: bool):
     import megatron_ext
 
@@ -139,9 +163,41 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
+class _Peaks:
+    """Peak allocated bytes of the whole measurement and of named phases, from one process
+    whose allocations are all this measurement's (:func:`measure_in_fresh_process`)."""
+
+    def __init__(self) -> None:
+        torch.cuda.synchronize()
+        self.baseline = torch.cuda.memory_allocated()  # the process group's, before any build
+        torch.cuda.reset_peak_memory_stats()
+        self.overall = 0
+        self.phases: dict[str, int] = {}
+
+    def _fold(self) -> None:
+        self.overall = max(self.overall, torch.cuda.max_memory_allocated())
+
+    def phase(self, name: str, fn):
+        """Run ``fn``; its own peak is ``self.phases[name]`` (the last call's)."""
+        torch.cuda.synchronize()
+        self._fold()  # a reset would lose the peak so far
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        self.phases[name] = torch.cuda.max_memory_allocated()
+        self._fold()
+        return out
+
+    def fields(self) -> dict:
+        self._fold()
+        out = {"peak_gib": gib(self.overall), "baseline_gib": gib(self.baseline)}
+        out |= {f"peak_{k}_gib": gib(v) for k, v in self.phases.items()}
+        return out
+
+
 def _measure(args, option: bool, label: str, overrides: dict, fp32_islands: bool) -> dict:
     row = {"config": label, "variant": "ours" if option else "stock", "fp32_islands": fp32_islands}
-    torch.cuda.reset_peak_memory_stats()
+    peaks = _Peaks()
     try:
         model, opt = _build(args, option, overrides, fp32_islands)
         g = torch.Generator(device="cuda").manual_seed(1)
@@ -155,6 +211,8 @@ def _measure(args, option: bool, label: str, overrides: dict, fp32_islands: bool
         for step in range(args.steps):
             model.zero_grad_buffer()
             opt.zero_grad()
+            torch.cuda.synchronize()
+            row["held_gib"] = gib(torch.cuda.memory_allocated())  # what forward starts with
 
             def fwd_bwd():
                 loss = model(tokens, position, mask, labels=tokens).float().mean()
@@ -162,10 +220,14 @@ def _measure(args, option: bool, label: str, overrides: dict, fp32_islands: bool
                 model.finish_grad_sync()
                 return loss
 
-            t_fb, loss = _timed(fwd_bwd)
-            t_prep, _ = _timed(opt.prepare_grads)
-            t_clip, norm = _timed(lambda: _norm_and_clip(opt, option))
-            t_step, _ = _timed(opt.step_with_ready_grads)
+            def optimizer_phases():
+                t_prep, _ = _timed(opt.prepare_grads)
+                t_clip, norm = _timed(lambda: _norm_and_clip(opt, option))
+                t_step, _ = _timed(opt.step_with_ready_grads)
+                return t_prep, t_clip, norm, t_step
+
+            t_fb, loss = peaks.phase("fwd_bwd", lambda: _timed(fwd_bwd))
+            t_prep, t_clip, norm, t_step = peaks.phase("optimizer", optimizer_phases)
             if step >= args.warmup:
                 times["fwd_bwd"].append(t_fb)
                 times["norm_clip"].append(t_clip)
@@ -182,42 +244,57 @@ def _measure(args, option: bool, label: str, overrides: dict, fp32_islands: bool
         row["step_ms"] = sum(row[f"{k}_ms"] for k in times)
         row["grad_norm"] = float(norm)
         row["loss_first"], row["loss_last"] = losses[0], losses[-1]
-        row["peak_gib"] = gib(torch.cuda.max_memory_allocated())
+        row.update(peaks.fields())
         row["grad_buffer_gib"] = gib(sum(b.grad_data.nbytes for b in model.all_grad_buffers()))
+        row["norm_graph_invalidations"] = _graph_invalidations(opt)
     except Exception as exc:  # a configuration stock cannot run is a result, not a crash
         row.update(error_fields(exc))
-    gc.collect()
-    torch.cuda.empty_cache()
     return row
 
 
-def _measure_stock(child: isolation.Child, args, label: str, overrides: dict, islands: bool):
-    """Stock's :func:`_measure` in ``child``, a process of its own: a CUDA error there
-    (megatron-core's norm with transformer-engine on a mixed list) cannot poison ours, and
-    a child that dies or raises is this row's error."""
-    row = {"config": label, "variant": "stock", "fp32_islands": islands}
-    try:
-        return child.call(f"{CHILD_MODULE}:_child_measure", args, label, overrides, islands)
-    except isolation.ChildCrashed as exc:
-        return row | {"error": f"crashed: {exc}", "error_at": "its own process"}
-    except isolation.ChildFailed as exc:
-        return row | exc.fields
+def _graph_invalidations(opt) -> int | None:
+    """How often the norm's CUDA graphs were dropped because a storage they read moved
+    (ours; None for stock): the fp32 mirror is allocated afresh every step."""
+    owners = [opt, *getattr(opt, "chained_optimizers", [])]
+    replays = [o.__dict__["_flat_norm_clip"].replay for o in owners if "_flat_norm_clip" in vars(o)]
+    return sum(r.invalidations for r in replays) if replays else None
 
 
 CHILD_MODULE = "benchmarks.train_step"  # how the child imports this file
 
 
-def _child_measure(state: dict, args, label: str, overrides: dict, islands: bool) -> dict:
-    isolation.fire(isolation.injected_fault(label))
-    if "group" not in state:  # this process's own one-rank group and model parallel state
-        from megatron.core import parallel_state
+def measure_in_fresh_process(args, run: Run) -> dict:
+    """One measurement of ``run`` in a process of its own, started for it and stopped after.
 
-        torch.cuda.set_device(0)
-        state["group"] = contextlib.ExitStack()
-        store = Path(state["group"].enter_context(tempfile.TemporaryDirectory())) / "store"
-        state["group"].enter_context(single_rank_process_group(f"file://{store}"))
+    A fresh process makes the peak that run's alone (no allocation, cache or graph pool of
+    an earlier build counts), and a CUDA error or crash there (megatron-core's norm with
+    transformer-engine on a mixed list) is this row's error, not the end of the run.
+    """
+    row = {"config": run.label, "variant": "ours" if run.option else "stock"}
+    row["fp32_islands"] = run.fp32_islands
+    with isolation.Child(f"{NAME}-{run.label}") as child:
+        try:
+            # Plain fields: the child imports this file under its own module name.
+            fields = (run.option, run.label, run.overrides, run.fp32_islands)
+            return child.call(f"{CHILD_MODULE}:_child_measure", args, *fields)
+        except isolation.ChildCrashed as exc:
+            return row | {"error": f"crashed: {exc}", "error_at": "its own process"}
+        except isolation.ChildFailed as exc:
+            return row | exc.fields
+
+
+def _child_measure(state: dict, args, option: bool, label: str, overrides: dict, islands: bool):
+    if not option:  # the fault injection tests' stand-in for stock's crashes
+        isolation.fire(isolation.injected_fault(label))
+    from megatron.core import parallel_state
+
+    torch.cuda.set_device(0)
+    with contextlib.ExitStack() as stack:  # this process's one-rank group
+        store = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "store"
+        stack.enter_context(single_rank_process_group(f"file://{store}"))
         parallel_state.initialize_model_parallel()
-    return _measure(args, False, label, overrides, islands)
+        stack.callback(parallel_state.destroy_model_parallel)
+        return _measure(args, option, label, overrides, islands)
 
 
 def _time_offload_steps(opt) -> list[float] | None:
@@ -254,12 +331,14 @@ def _time_offload_steps(opt) -> list[float] | None:
 
 
 PHASES = ("fwd_bwd_ms", "norm_clip_ms", "optimizer_ms", "step_ms")
+MEMORY = ("peak_gib", "held_gib", "peak_fwd_bwd_gib", "peak_optimizer_gib")  # GiB, max of rounds
 
 
 def combine_rounds(rounds: list[dict]) -> dict:
     """One configuration's row from its rounds: each phase's fastest round, the spread of
-    the step times, the largest peak memory; the last round's norm and losses. A round that
-    failed makes the row that failure (a configuration either runs or it does not)."""
+    the step times, the largest of each memory figure; the last round's norm and losses. A
+    round that failed makes the row that failure (a configuration either runs or it does
+    not)."""
     failed = next((r for r in rounds if "error" in r), None)
     if failed is not None:
         return failed | {"rounds": len(rounds)}
@@ -268,7 +347,9 @@ def combine_rounds(rounds: list[dict]) -> dict:
         row[key] = min(r[key] for r in rounds)
     steps = [r["step_ms"] for r in rounds]
     row["step_spread"], row["step_rounds_ms"] = spread(steps), steps
-    row["peak_gib"] = max(r["peak_gib"] for r in rounds)
+    for key in MEMORY:
+        if all(key in r for r in rounds):
+            row[key] = max(r[key] for r in rounds)
     row["rounds"] = len(rounds)
     return row
 
@@ -311,12 +392,36 @@ def parse_args(argv: list[str] | None):
         ("--rounds", 2, "interleaved rounds: every configuration built and stepped once each"),
     ):
         ap.add_argument(name, type=int, default=default, help=f"{meaning} (default: %(default)s)")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="comma-separated configuration names to run, ours and stock (default: every "
+        f"one: {', '.join(sorted({r.label for r in runs()}))})",
+    )
     return ap.parse_args(argv)
+
+
+def selected_runs(configs: str) -> list[Run]:
+    """The runs of the configurations named in ``configs`` (comma-separated; empty: all).
+
+    Raises:
+        SystemExit: a name that is no configuration's.
+    """
+    todo = runs()
+    wanted = [c for c in configs.split(",") if c]
+    unknown = sorted(set(wanted) - {r.label for r in todo})
+    if unknown:
+        raise SystemExit(
+            f"--configs: no configuration named {', '.join(unknown)}; the names are "
+            f"{', '.join(sorted({r.label for r in todo}))}"
+        )
+    return [r for r in todo if not wanted or r.label in wanted]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Measure every configuration, write JSON and PNG, print the table; CUDA only."""
     args = parse_args(argv)
+    todo = selected_runs(args.configs)
     if args.device != "cuda" or not torch.cuda.is_available():
         raise SystemExit(
             "train_step needs CUDA (megatron-core's DDP and optimizers allocate on CUDA): "
@@ -328,36 +433,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(
         f"torch intra-op threads (the CPU optimizer's): {torch.get_num_threads()}", file=sys.stderr
     )
-    rows = []
-    with single_rank_process_group("tcp://127.0.0.1:29541"):
-        from megatron.core import parallel_state
-
-        parallel_state.initialize_model_parallel()
-        runs = [(opt, label, ov, True) for label, ov in CONFIGS for opt in (True, False)]
-        runs.append((False, "pa_offload_0.5", CONFIGS[0][1], False))  # stock, islands in bf16
-        for label, ov in CONFIGS[:2]:  # ours with the chunked offload step
-            runs.append((True, f"{label}_chunked", ov | {OFFLOAD_STEP: "chunked"}, True))
-        child = None  # stock's process; a fresh one after any error there
-
-        def measure(i: int) -> dict:
-            nonlocal child
-            if runs[i][0]:
-                return _measure(args, *runs[i])
-            child = child if child is not None and child.usable else isolation.Child(NAME)
-            row = _measure_stock(child, args, *runs[i][1:])
-            if "error" in row:
-                child.close()
-                child = None
-            return row
-
-        try:
-            rows = measure_rounds(
-                len(runs), max(1, args.rounds), measure, lambda r: write_json(r, args.out, NAME)
-            )
-        finally:
-            if child is not None:
-                child.close()
-        parallel_state.destroy_model_parallel()
+    rows = measure_rounds(
+        len(todo),
+        max(1, args.rounds),
+        lambda i: measure_in_fresh_process(args, todo[i]),
+        lambda r: write_json(r, args.out, NAME),
+    )
     warning = spread_warning(
         {f"{r['config']} {r['variant']}": r["step_spread"] for r in rows if "error" not in r},
         max(1, args.rounds),
@@ -410,7 +491,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     lambda v: f"{v:.0%}",
                     "(slowest - fastest) / fastest round's step time",
                 ),
-                Column("peak GiB", "peak_gib", lambda v: f"{v:.2f}", "peak allocated"),
+                Column(
+                    "peak GiB",
+                    "peak_gib",
+                    lambda v: f"{v:.2f}",
+                    "peak allocated over build and steps, in the run's own process (largest round)",
+                ),
+                Column(
+                    "held GiB",
+                    "held_gib",
+                    lambda v: f"{v:.2f}",
+                    "allocated after zero_grad, what forward and backward start with",
+                ),
+                Column(
+                    "fwd+bwd peak",
+                    "peak_fwd_bwd_gib",
+                    lambda v: f"{v:.2f}",
+                    "GiB, peak of the last step's forward and backward",
+                ),
+                Column(
+                    "opt peak",
+                    "peak_optimizer_gib",
+                    lambda v: f"{v:.2f}",
+                    "GiB, peak of the last step's copy, norm+clip and optimizer step",
+                ),
                 Column("loss first->last", "loss_last", lambda v: f"{v:.4f}"),
                 Column(
                     "status",

@@ -27,7 +27,9 @@ class BufferTarget:
     norm_views: list[torch.Tensor]  # views of the grad buffer that count toward the norm
     scale_views: list[torch.Tensor]  # views of what the optimizer reads (grad buffer or mirror)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src)
-    mirror: torch.Tensor | None = None  # fp32 copy of this rank's shard, when one is needed
+    # fp32 copy of this rank's shard, when one is needed; its storage is allocated for a
+    # step only ([Note: the mirror lives for one step]).
+    mirror: torch.Tensor | None = None
     buffer: object = None  # the megatron-core buffer itself
     norm_reads_mirror: bool = False  # norm_views are views of ``mirror``, not the buffer
     # The fp32 local-accumulation island, when the optimizer reads its parameters' gradients
@@ -62,6 +64,65 @@ class FlatOptimizerState:
     @property
     def padding(self) -> int:
         return sum(t.spans.padding_in_norm for t in self.targets)
+
+    def fill_mirrors(self) -> None:
+        """Copy every owned range into its target's mirror, allocating the mirror's storage
+        first where :meth:`release_mirrors` freed it (the copies overwrite all of it)."""
+        for t in self.targets:
+            if t.mirror is None:
+                continue
+            storage = t.mirror.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(t.mirror.numel() * t.mirror.element_size())
+            for dst, src in t.copies:
+                dst.copy_(src)  # one copy (and cast) per owned range
+
+    def check_mirrors_filled(self, scaling: bool) -> None:
+        """Raise unless every mirror about to be read holds memory: reading one that
+        :meth:`release_mirrors` freed would read through a null address (a crash, not an
+        error, on either device).
+
+        Args:
+            scaling: a clip is about to scale (every mirror is read), else only a norm or a
+                zero count (only the mirrors the norm reads).
+
+        Raises:
+            RuntimeError: such a mirror was freed by ``zero_grad()`` and not filled since.
+        """
+        for t in self.targets:
+            m = t.mirror
+            read = m is not None and (scaling or t.norm_reads_mirror)
+            if read and m.numel() and not m.untyped_storage().nbytes():
+                raise RuntimeError(
+                    f"the optimizer's fp32 copies of the {t.name} were freed by zero_grad() "
+                    "and not made since, and this reads them; call "
+                    "optimizer.prepare_grads() (step() does) after backward, before reading them"
+                )
+
+    def release_mirrors(self) -> None:
+        """Free every mirror's storage until the next :meth:`fill_mirrors` ([Note: the
+        mirror lives for one step])."""
+        for t in self.targets:
+            if t.mirror is not None:
+                t.mirror.untyped_storage().resize_(0)
+
+
+# [Note: the mirror lives for one step]
+# Without the precision-aware optimizer, megatron-core's optimizers read fp32 copies of bf16
+# gradients. Stock allocates them in the copy step (``shard_model_grad.float()`` per
+# parameter) and frees them in ``zero_grad(set_to_none=True)``, which Megatron's training
+# loop calls before forward: they never coexist with the activations. Our copy is one mirror
+# per buffer, and everything built once reads it through views (the optimizer's ``.grad``
+# bindings, norm and scale views, host-mirror copy sources). A permanent mirror would hold
+# 4 bytes per owned element through forward and backward, where activations peak. So the
+# mirror's *storage* is freed where stock frees its copies and regrown by the next copy
+# step: every view stays a view of the same storage object and reads the new memory.
+# Nothing may read a mirror in between (its views then point at no memory, which torch does
+# not check): the flat norm, clip and zero count call check_mirrors_filled first. A
+# CUDA graph that captured the old address notices that the storage moved
+# (buffers.graphs.GraphReplayer's sources) and is captured again. A reader on another
+# stream that outlives the step (an overlapped host step) must ``record_stream`` the mirror,
+# so that the allocator keeps the freed block until that stream is done with it.
 
 
 def _views(t: torch.Tensor, spans) -> list[torch.Tensor]:

@@ -80,12 +80,33 @@ def test_norm_clip_cpu_rows(norm_clip_run):
             assert r["note"] == "per-parameter algorithm re-implemented for CPU"
 
 
-def test_memory_layout_rows(tmp_path):
+def test_memory_layout_and_measured_rows(tmp_path, capsys):
     script = load_script("memory")
     script.main(["--device", "cpu", "--out", str(tmp_path)])
     records = read_outputs(tmp_path, "memory")
-    assert {r["model"] for r in records} == {"deepseek_tp1_pp32_ep8", "dense70b_tp8_pp8"}
-    for r in records:
+    measured = {r["config"]: r for r in records if r["kind"] == "measured"}
+    layout = [r for r in records if r["kind"] == "layout"]
+    # Each configuration, in its own process, through its optimizer steps: on the CPU the
+    # bytes held between steps and inside the step; the peaks are GPU-only, and say so.
+    assert set(measured) == {"on", "off", "grad_reduce_in_fp32"}
+    for r in measured.values():
+        assert r["error"] is None and r["device"] == "cpu", r
+        assert set(r) == set(script.memory_ddp.MEASURED_FIELDS)
+        assert r["peak_allocated_bytes"] is None and r["peak_optimizer_step_gib"] is None
+        assert r["in_step_bytes"] >= r["held_bytes"] > r["grad_buffer_bytes"] > 0
+    on, off = measured["on"], measured["off"]
+    for r in (on, off):  # bf16 gradients: inside the step, fp32 copies of them are alive
+        assert r["in_step_bytes"] - r["held_bytes"] >= 4 * r["hidden"] ** 2 * r["layers"]
+    # Ours holds no more than stock, up to alignment padding and the norm's scalars: far
+    # less than the fp32 copy of the gradients a mirror kept between steps would add.
+    slack = 16 * 1024
+    assert 4 * on["hidden"] ** 2 * on["layers"] > 8 * slack
+    assert on["held_bytes"] <= off["held_bytes"] + slack
+    assert on["in_step_bytes"] <= off["in_step_bytes"] + slack
+    table = capsys.readouterr().out
+    assert "GPU peak GiB" in table and "GPU only" in table
+    assert {r["model"] for r in layout} == {"deepseek_tp1_pp32_ep8", "dense70b_tp8_pp8"}
+    for r in layout:
         assert r["kind"] == "layout"
         assert set(script.LAYOUT_FIELDS) <= set(r)
         assert r["ours_bytes"] < r["fp32_bytes"]
@@ -369,12 +390,12 @@ def test_out_comes_from_the_flag_then_OUT_then_bench_out(tmp_path, monkeypatch):
     script = load_script("memory")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OUT", str(tmp_path / "from_env"))
-    script.main(["--device", "cpu"])
+    script.main(["--device", "cpu", "--no-measured"])
     assert (tmp_path / "from_env" / "memory.json").exists()
-    script.main(["--device", "cpu", "--out", str(tmp_path / "from_flag")])
+    script.main(["--device", "cpu", "--no-measured", "--out", str(tmp_path / "from_flag")])
     assert (tmp_path / "from_flag" / "memory.json").exists()
     monkeypatch.delenv("OUT")
-    script.main(["--device", "cpu"])
+    script.main(["--device", "cpu", "--no-measured"])
     assert (tmp_path / "bench-out" / "memory.json").exists()
 
 
@@ -594,7 +615,7 @@ def _capture_figures(monkeypatch) -> list[dict]:
 @pytest.mark.parametrize(
     ("name", "argv", "panels", "megatron"),
     [
-        ("memory", [], 1, True),
+        ("memory", ["--no-measured"], 1, True),
         ("clip_step", ["--bytes", "65536", "--warmup", "0", "--rounds", "2"], 1, False),
         ("offload", ["--bytes", "65536", "--warmup", "0", "--rounds", "2"], 2, True),
         ("offload_step", OFFLOAD_STEP_TINY, 1, False),
@@ -658,13 +679,55 @@ def test_train_step_rows_take_each_phase_from_the_fastest_round():
         {"config": "distopt", "variant": "ours", "fwd_bwd_ms": 9.0, "norm_clip_ms": 2.0,
          "optimizer_ms": 4.0, "step_ms": 15.0, "peak_gib": 2.5, "grad_norm": 1.25},
     ]  # fmt: skip
+    rounds[0] |= {"held_gib": 1.0, "peak_fwd_bwd_gib": 1.9, "peak_optimizer_gib": 1.2}
+    rounds[1] |= {"held_gib": 1.1, "peak_fwd_bwd_gib": 1.8, "peak_optimizer_gib": 1.3}
     row = script.combine_rounds(rounds)
+    assert (row["held_gib"], row["peak_fwd_bwd_gib"], row["peak_optimizer_gib"]) == (1.1, 1.9, 1.3)
     assert (row["fwd_bwd_ms"], row["norm_clip_ms"], row["optimizer_ms"]) == (9.0, 1.0, 4.0)
     assert row["step_ms"] == 15.0 and row["step_rounds_ms"] == [16.0, 15.0]
     assert row["step_spread"] == pytest.approx(1 / 15) and row["rounds"] == 2
     assert row["peak_gib"] == 2.5 and row["grad_norm"] == 1.25
     failed = script.combine_rounds([rounds[0], {"config": "distopt", "error": "E: x"}])
     assert failed["error"] == "E: x" and "fwd_bwd_ms" not in failed
+
+
+def test_train_step_runs_the_configurations_asked_for():
+    script = load_script("train_step")
+    picked = script.selected_runs("distopt,offload_0.5")
+    assert [(r.label, r.option) for r in picked] == [
+        ("offload_0.5", True), ("offload_0.5", False), ("distopt", True), ("distopt", False)
+    ]  # fmt: skip
+    assert script.selected_runs("") == script.runs()
+    with pytest.raises(SystemExit, match="no configuration named nope; the names are"):
+        script.selected_runs("distopt,nope")
+
+
+def test_train_step_phase_peaks_are_each_phases_own_and_the_peak_is_everything(monkeypatch):
+    """CUDA's peak counters, faked: a phase's peak excludes what came before it, the whole
+    measurement's peak does not lose a phase to the resets between them."""
+    script = load_script("train_step")
+    mem = {"now": 5, "peak": 9}  # allocated before the measurement; an earlier peak
+
+    def alloc(n):
+        mem["now"] += n
+        mem["peak"] = max(mem["peak"], mem["now"])
+
+    def reset():
+        mem["peak"] = mem["now"]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: mem["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: mem["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: reset())
+    monkeypatch.setattr(script, "gib", lambda b: b)
+    peaks = script._Peaks()
+    alloc(100)  # the build
+    alloc(-60)
+    assert peaks.phase("fwd_bwd", lambda: (alloc(30), alloc(-30), "out")[-1]) == "out"
+    peaks.phase("optimizer", lambda: (alloc(20), alloc(-20)))
+    fields = peaks.fields()
+    assert fields["baseline_gib"] == 5 and fields["peak_gib"] == 105  # the build's, not 9
+    assert fields["peak_fwd_bwd_gib"] == 45 + 30 and fields["peak_optimizer_gib"] == 45 + 20
 
 
 def test_train_step_writes_what_it_measured_after_every_measurement(tmp_path):
@@ -874,12 +937,48 @@ def test_train_step_stock_crash_is_its_row(monkeypatch):
 
     script = load_script("train_step")
     monkeypatch.setenv("BENCHMARKS_STOCK_FAULT", "abort:distopt")
-    with isolation.Child("train_step-test", timeout_s=120) as child:
-        row = script._measure_stock(child, argparse.Namespace(), "distopt", {}, True)
-        assert child.crash is not None
+    row = script.measure_in_fresh_process(argparse.Namespace(), script.Run(False, "distopt", {}))
     assert (row["config"], row["variant"], row["fp32_islands"]) == ("distopt", "stock", True)
     assert isolation.status(row["error"]) == "crashed (killed by SIGABRT)"
     assert script.combine_rounds([row])["error"] == row["error"]  # the row stays a failure
+
+
+def test_train_step_measures_every_run_in_a_process_of_its_own(monkeypatch):
+    """A peak is one configuration's only if nothing else ran in its process: each
+    measurement, ours too, starts a child and stops it; the next gets a new one."""
+    import argparse
+
+    from benchmarks import isolation
+
+    script = load_script("train_step")
+    started, calls = [], []
+
+    class Recording(isolation.Child):
+        def __init__(self, name, *a, **kw):
+            started.append(self)
+            self.name, self.crash, self.failed, self.closed = name, None, False, False
+
+        def call(self, ref, *args):
+            calls.append((self, ref, args[1:]))
+            return {"config": args[2], "variant": "ours" if args[1] else "stock", "peak_gib": 1.0}
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(isolation, "Child", Recording)
+    todo = script.runs()
+    rows = [script.measure_in_fresh_process(argparse.Namespace(), r) for r in todo[:3]]
+    assert len(started) == 3 and all(c.closed for c in started)
+    assert [c for c, _, _ in calls] == started  # one call per process
+    assert [a for _, _, a in calls] == [
+        (r.option, r.label, r.overrides, r.fp32_islands) for r in todo[:3]
+    ]
+    assert [(r["config"], r["variant"]) for r in rows] == [
+        (todo[0].label, "ours"), (todo[1].label, "stock"), (todo[2].label, "ours")
+    ]  # fmt: skip
+    labels = [(r.label, r.option, r.fp32_islands) for r in todo]
+    assert len(set(labels)) == len(labels)  # every run is its own row
+    assert ("distopt", True, True) in labels and ("distopt", False, True) in labels
 
 
 def test_memory_ddp_stock_failure_is_its_row(monkeypatch):
@@ -887,7 +986,7 @@ def test_memory_ddp_stock_failure_is_its_row(monkeypatch):
 
     script = load_script("memory_ddp")
     monkeypatch.setenv("BENCHMARKS_STOCK_FAULT", "raise:grad_reduce_in_fp32")
-    fields = script.measure_stock("grad_reduce_in_fp32", 64, 1)
+    fields = script.measure_in_fresh_process("grad_reduce_in_fp32", 64, 1)
     assert fields["error"] == "RuntimeError: fault injected by BENCHMARKS_STOCK_FAULT"
     assert isolation.status(fields["error"]) == f"failed ({fields['error']})"
     assert isolation.status(None) == "ok"
