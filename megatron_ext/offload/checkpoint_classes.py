@@ -3,6 +3,8 @@ keeps in its param groups, made loadable by torch's weights-only unpickler."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -15,7 +17,7 @@ def allow_optimizer_classes_in_checkpoints(hdo) -> list[type]:
     global: GLOBAL torch.optim.adamw.AdamW"): an offloaded checkpoint could be saved but
     not loaded. The two classes (optimizer classes of torch, transformer-engine or Apex,
     named by the optimizer itself) are added to torch's safe globals; returns them."""
-    classes = [
+    classes: list[Any] = [
         c
         for c in (getattr(hdo, "cpu_optimizer_cls", None), getattr(hdo, "gpu_optimizer_cls", None))
         if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)

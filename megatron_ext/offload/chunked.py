@@ -89,7 +89,7 @@ def build_chunked_plan(hdo: HostMirrorHybridOptimizer) -> ChunkedPlan:
                 entries,
                 [r for _, r in runs],
                 hdo.compute_numel,
-                tuple(hdo.moment_dtypes),
+                hdo.moment_dtypes,
                 hdo.offload_kernel,
             )
         )

@@ -104,10 +104,10 @@ class BufferMirror:
 
     def stats(self) -> dict:
         """Sizes: blocks, pinned and host bytes, bytes each way per step, owned bytes."""
+        grads = self.cpu_grads
         converted = (
-            self.cpu_grads is not None
-            and self.cpu_grads.untyped_storage().data_ptr()
-            != self.staging.untyped_storage().data_ptr()
+            grads is not None
+            and grads.untyped_storage().data_ptr() != self.staging.untyped_storage().data_ptr()
         )
         return {
             "buffer": self.name,
@@ -116,8 +116,8 @@ class BufferMirror:
             "staging_bytes": self.staging.numel(),
             "pinned": self.staging.is_pinned(),
             "host_param_bytes": self.host_params.numel() * self.host_params.element_size(),
-            "host_grad_bytes": self.cpu_grads.numel() * self.cpu_grads.element_size()
-            if converted
+            "host_grad_bytes": grads.numel() * grads.element_size()
+            if grads is not None and converted
             else 0,
             "d2h_bytes": self.layout.numel * itemsize(self.moved_dtype(self.grads_dtype)),
             "h2d_bytes": self.layout.numel * itemsize(self.moved_dtype(self.params_dtype)),
@@ -148,6 +148,8 @@ def add_island_copies(
         local = mirror.layout.local(span)
         block = mirror.blocks[mirror.layout.block_of(span)]
         if stage is None:  # straight into the fp32 staging, where the CPU reads it
+            if mirror.cpu_grads is None:
+                raise RuntimeError(f"{mirror.name}: a lean mirror has no fp32 staging to read")
             block.islands.append(
                 (mirror.cpu_grads[local.start : local.end], view, None, local.start)
             )
@@ -246,6 +248,7 @@ def build_buffer_mirror(
     staging = torch.zeros(layout.numel * width, dtype=torch.uint8, pin_memory=pin)
     host_params = torch.zeros(layout.numel, dtype=cpu_dtype)
     in_place = grads.dtype == cpu_dtype and itemsize(cpu_dtype) == width
+    cpu_grads: torch.Tensor | None
     if in_place:
         cpu_grads = staging.view(cpu_dtype)
     else:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any
 
 import torch
 
@@ -53,8 +54,9 @@ from .sources import OffloadSource, offload_sources, source_mirror
 from .step import DEFAULT_CHUNK_NUMEL, DEFAULT_COMPUTE_NUMEL, chunked_step_refusal
 from .threads import cpu_threads, delayed_update_threads, threads_warning
 
-HybridDeviceOptimizer = seam.target("HybridDeviceOptimizer")
-DistributedOptimizer = seam.target("DistributedOptimizer")
+# megatron-core ships no type hints
+HybridDeviceOptimizer: Any = seam.target("HybridDeviceOptimizer")
+DistributedOptimizer: Any = seam.target("DistributedOptimizer")
 
 
 class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
@@ -96,6 +98,8 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     delayed_update: bool = False
     delay_warmup: int = 0
     _chunked: ChunkedPlan | None = None
+    _chunked_for: tuple | None = None  # the sizes _chunked was built for
+    chunked_step_off: str | None = None  # why the chunked step cannot run, once it was built
     _in_flight: InFlightUpdate | None = None
     _keeping_placement = False
     _warmed = False
@@ -267,7 +271,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             return super().step(closure)
         plan = self._chunked_plan()
         if plan is None:
-            self._refuse_if_lean(self.chunked_step_off)
+            self._refuse_if_lean(self.chunked_step_off or "the chunked step cannot run")
             if set(self.moment_dtypes) != {torch.float32} and not self._fallback_warned:
                 self._fallback_warned = True
                 warnings.warn(

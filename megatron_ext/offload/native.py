@@ -120,6 +120,8 @@ class HostAdamW:
         family (lr, beta1, beta2, weight_decay, eps); ``steps``: fp32, the step count each
         entry's constants use."""
         build = self.build
+        if build is None:
+            raise RuntimeError("the offloaded step's kernel runs once its probe chose a build")
         self._step(
             ctypes.addressof(tasks),
             len(tasks),
@@ -319,6 +321,8 @@ def describe() -> str:
     if k is None:
         return f"torch's ops ({_LOADED.get('reason')})"
     b = k.build
+    if b is None:
+        return f"torch's ops (the kernel's probe matched no build): {k.path}"
     return (
         f"compiled kernel ({'AVX2' if b.vectorized else 'portable'}, variant {b.variant}, "
         f"width {b.width}): {k.path}"

@@ -85,7 +85,7 @@ def _one_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
 
 
 def _is_view_of(p: torch.Tensor, base: torch.Tensor, span: Span) -> bool:
-    return (
+    return bool(
         p.dtype == base.dtype
         and p.device == base.device
         and p.is_contiguous()

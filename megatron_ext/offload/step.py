@@ -20,6 +20,7 @@ import bisect
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -189,7 +190,10 @@ class ChunkedAdamW:
         if host_params.dtype != torch.float32:
             raise ValueError(f"the host parameters must be fp32, got {host_params.dtype}")
         self.moment_dtypes = tuple(moment_dtypes)
-        self._moment_kinds = tuple(native.KINDS[d] for d in self.moment_dtypes)
+        self._moment_kinds = (
+            native.KINDS[self.moment_dtypes[0]],
+            native.KINDS[self.moment_dtypes[1]],
+        )
         if cpu_grads is not None and (
             host_params.shape != cpu_grads.shape or host_params.dtype != cpu_grads.dtype
         ):
@@ -259,12 +263,26 @@ class ChunkedAdamW:
         self._native_plans: dict[int, tuple[object, object]] = {}
         self._native: native.HostAdamW | None = None  # resolved at the first begin()
         self._native_resolved = False
-        self._hyper_c = None
+        self._hyper_c: Any = None  # a ctypes array of the hyperparameters, per begin()
         self.updated = 0  # fused calls made since begin()
         self.native_updates = 0  # of them, chunks updated by the compiled kernel
 
     def _flat(self, t: torch.Tensor | None, span: Span) -> torch.Tensor:
+        if t is None:
+            raise RuntimeError("the flat moments exist from the first begin() on")
         return t[span.start : span.end]
+
+    def _moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exp_avg, exp_avg_sq), the flat moments (allocated by the first begin())."""
+        if self.exp_avg is None or self.exp_avg_sq is None:
+            raise RuntimeError("the flat moments exist from the first begin() on")
+        return self.exp_avg, self.exp_avg_sq
+
+    def _host_grads(self) -> torch.Tensor:
+        """The host gradients in the CPU dtype (a mirror that is not lean has them)."""
+        if self.cpu_grads is None:
+            raise RuntimeError("a lean mirror's chunk needs its copies (it converts from them)")
+        return self.cpu_grads
 
     def bind_state(self) -> None:
         """Make every parameter's ``exp_avg`` / ``exp_avg_sq`` views of the flat moments
@@ -303,7 +321,10 @@ class ChunkedAdamW:
             step = state["step"]
             slot = self._step_views[k]
             if step is not slot:
-                slot.copy_(step if isinstance(step, torch.Tensor) else float(step))
+                if isinstance(step, torch.Tensor):
+                    slot.copy_(step)
+                else:
+                    slot.fill_(float(step))
                 state["step"] = slot
             self._bound[k] = (*views, slot)
 
@@ -378,7 +399,7 @@ class ChunkedAdamW:
                 grads, origin = self.scratch[: sub.numel], sub.start
                 into = (grads, convert[1][sub.start - c0 : sub.end - c0])
             else:
-                grads, origin, into = self.cpu_grads, 0, None
+                grads, origin, into = self._host_grads(), 0, None
             for span, stage, cpu in islands:
                 a, b = max(sub.start, span.start), min(sub.end, span.end)
                 if a < b and (convert is not None or cpu is not None):  # None: in place
@@ -389,9 +410,7 @@ class ChunkedAdamW:
                     )
                     pieces.append((dst, stage[a - span.start : b - span.start]))
             moments, read = [], []
-            for flat, wide in zip(
-                (self.exp_avg, self.exp_avg_sq), self.moment_scratch, strict=True
-            ):
+            for flat, wide in zip(self._moments(), self.moment_scratch, strict=True):
                 if wide is None:
                     read.append((flat, 0))
                 else:
@@ -413,7 +432,7 @@ class ChunkedAdamW:
                 _SubRange(
                     into,
                     tuple(pieces),
-                    tuple((f, *v) for f, v in calls.items()),
+                    tuple((f, v[0], v[1], v[2], v[3], v[4]) for f, v in calls.items()),
                     pack,
                     tuple(moments),
                 )
@@ -505,7 +524,11 @@ class ChunkedAdamW:
             ):
                 return None
             out = dst
-        width = self._native.build.width
+        kernel = self._native
+        if kernel is None or kernel.build is None:
+            return None
+        width = kernel.build.width
+        exp_avg, exp_avg_sq = self._moments()
         tasks, covered = [], []
         for _, inside in self.subs[chunk]:
             for k, s in inside:
@@ -527,8 +550,8 @@ class ChunkedAdamW:
                     tasks += native.tasks_for(
                         self.host_params[a:b],
                         source[a - at : b - at],
-                        self.exp_avg[a:b],
-                        self.exp_avg_sq[a:b],
+                        exp_avg[a:b],
+                        exp_avg_sq[a:b],
                         None if out is None else out[a - c0 : b - c0],
                         k,
                         self._family[k],
