@@ -150,7 +150,10 @@ def measure(args, label: str, overrides: dict, options: dict | None, micro: int)
         "micro_batches": micro,
         "variant": "stock" if options is None else "ours",
     }
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    row["baseline_gib"] = gib(torch.cuda.memory_allocated())  # left by earlier configurations
     model = opt = None
     try:
         model, opt = build(args, overrides, options)
@@ -268,11 +271,17 @@ def main(argv: list[str] | None = None) -> dict:
                       file=sys.stderr)  # fmt: skip
                 write_json([result], args.out, NAME)
         if args.loss_steps > 0:
-            result["loss"] = loss_curves(args)
+            try:
+                result["loss"] = loss_curves(args)
+            except Exception as exc:  # the timings above stand; the curves' failure is shown
+                result["loss_error"] = error_fields(exc)
+                print(f"{NAME}: loss curves failed: {exc}", file=sys.stderr)
             write_json([result], args.out, NAME)
         parallel_state.destroy_model_parallel()
     _plot(result, args, title)
     print(format_table(result["rows"], COLUMNS))
+    if result.get("loss_error"):
+        print(f"loss curves failed: {result['loss_error']}")
     if result["loss"] is not None:
         loss = result["loss"]
         print(
@@ -288,7 +297,8 @@ COLUMNS = [
     Column("micro-batches", "micro_batches"),
     Column("step ms", "step_ms", lambda v: f"{v:.1f}", "median, device drained around it"),
     Column("kept", "kept", lambda v: f"{v:.0%}", "GPU-resident step time / this one"),
-    Column("peak GiB", "peak_gib", lambda v: f"{v:.2f}", "peak allocated, this configuration"),
+    Column("peak GiB", "peak_gib", lambda v: f"{v:.2f}", "peak allocated while it ran"),
+    Column("baseline GiB", "baseline_gib", lambda v: f"{v:.2f}", "allocated before it was built"),
     Column("status", "error", lambda v: str(v)[:60], "empty: ran"),
 ]
 

@@ -119,9 +119,10 @@ class HostAdamW:
         """Update every task (a ``Task`` array); ``hyper``: a ``c_double`` array, 5 per
         family (lr, beta1, beta2, weight_decay, eps); ``steps``: fp32, the step count each
         entry's constants use."""
-        build = self.build
-        if build is None:
-            raise RuntimeError("the offloaded step's kernel runs once its probe chose a build")
+        if variant is None:  # the probe passes its candidates; every other call the build's
+            if self.build is None:
+                raise RuntimeError("the offloaded step's kernel runs once its probe chose a build")
+            variant = self.build.variant
         self._step(
             ctypes.addressof(tasks),
             len(tasks),
@@ -129,7 +130,7 @@ class HostAdamW:
             steps.data_ptr(),
             moment_kinds[0],
             moment_kinds[1],
-            build.variant if variant is None else variant,
+            variant,
             int(self.vectorized if vectorized is None else vectorized),
             max(1, int(threads)),
         )
