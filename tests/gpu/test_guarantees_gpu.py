@@ -139,6 +139,10 @@ def build(scaler, opt_kind, pattern, seed=0, *, option=True, module_cls=None):
         distributed_optimizer=distributed,
         ddp=dict(param_name_patterns_for_fp32_local_accumulation=PATTERNS[pattern]),
         optimizer=opts,
+        # the per-parameter CPU optimizers, whose step hooks record what each steps with
+        # (record_stepped_grads); the chunked step equals them bit for bit
+        # (tests/gpu/test_offload_gpu.py)
+        options=megatron_ext.MegatronOptions(offload_step="per_parameter") if option else None,
     )
     return stack.model, stack.optimizer
 
