@@ -17,8 +17,8 @@ generation and is None again was cleared by someone else (``zero_grad(set_to_non
 ``.grad = None``) while its view still holds that gradient: reported, never re-bound.
 [Note: gradients set to None between steps]
 
-None of that is checked per parameter per step. Post-accumulate hooks notice a broken
-binding during the backward that writes the gradient elsewhere; a weak reference notices
+None of that is checked per parameter per step. The same hooks notice a broken binding
+during the backward that would write the gradient elsewhere; a weak reference notices
 a freed parameter; each call checks one parameter per buffer (O(buffers), which catches a
 whole-model conversion or ``zero_grad(set_to_none=True)`` before any backward); and
 :meth:`BindingWatch.check_all` walks every parameter where the caller asks for it. What
@@ -149,6 +149,7 @@ def refuse_bucket_view_ddp(named: list[tuple[str, torch.Tensor]]) -> None:
 # earlier ones that it was taken (checked by identity: ids of freed objects are reused).
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
+
 def _remove_hooks(hooks: list) -> None:
     for handle in hooks:
         handle.remove()
@@ -205,23 +206,25 @@ class BindingWatch:
         index = len(self.refs)
 
         def attach(grad: torch.Tensor) -> None:
-            # Runs before autograd accumulates into .grad: a None .grad becomes the view
-            # (zero since zeroed()), so the accumulation lands in the buffer.
+            # Runs just before autograd accumulates into .grad (one hook per parameter and
+            # backward, which also checks the binding): a None .grad becomes the view (zero
+            # since zeroed()), so the accumulation lands in the buffer.
             watch = mine()
+            if watch is None:
+                return
             q = ref()
-            if watch is None or q is None or q.grad is not None or binding.taken:
-                return
-            if watch.bound_in[index] == watch.generation:
-                watch.broken[pid] = None  # cleared by someone else: the view is stale
-                return
-            q.grad = view
-            watch.bound_in[index] = watch.generation
-
-        def check(q: torch.Tensor) -> None:
-            watch = mine()
-            if watch is not None and (
-                q.grad is None or q.grad.data_ptr() != root.data_ptr() + offset
-            ):
+            now = q.grad
+            if now is None:
+                if binding.taken:
+                    return
+                if watch.bound_in[index] == watch.generation:
+                    watch.broken[pid] = None  # cleared by someone else: the view is stale
+                    return
+                q.grad = view
+                watch.bound_in[index] = watch.generation
+            elif now.data_ptr() != root.data_ptr() + offset:
+                watch.broken[pid] = None
+            if torch.is_grad_enabled():  # create_graph=True: autograd adds out of place
                 watch.broken[pid] = None
 
         def freed(_ref, pid=pid) -> None:
@@ -233,7 +236,6 @@ class BindingWatch:
                 del _OWNERS[pid]
 
         self.hooks.append(p.register_hook(attach))
-        self.hooks.append(p.register_post_accumulate_grad_hook(check))
         ref = weakref.ref(p, freed)
         binding = Binding(name, pid, ref, p.dtype, p.shape, p.device, view, root, offset, index)
         self.refs.append(ref)

@@ -1,4 +1,4 @@
-"""FlatGradBuffers' post-accumulate hooks: rebuilding over the same parameters, close()."""
+"""FlatGradBuffers' gradient hooks: rebuilding over the same parameters, close()."""
 
 import gc
 import math
@@ -17,7 +17,7 @@ def model(seed=0):
 
 
 def hooks_on(p) -> int:
-    return len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+    return len(getattr(p, "_backward_hooks", None) or {})
 
 
 def backward(net, seed):

@@ -182,3 +182,19 @@ def test_set_to_none_false_keeps_every_gradient_a_zero_view():
     fgb.grad_norm()
     with pytest.raises(TypeError, match="set_to_none"):
         fgb.zero_(set_to_none="no")
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_backward_with_create_graph_is_reported_not_missed():
+    # autograd then adds out of place: the gradient would leave the buffer
+    lin = torch.nn.Linear(8, 2)
+    fgb = FlatGradBuffers(lin.named_parameters())
+    for _ in range(2):  # .grad None (bound by the hook), then .grad the view
+        fgb.zero_()
+        if _:
+            lin(torch.randn(3, 8)).sum().backward()
+        lin(torch.randn(3, 8)).square().sum().backward(create_graph=True)
+        with pytest.raises(GradientOutsideBufferError, match="'weight'"):
+            fgb.grad_norm()
+        for p in lin.parameters():
+            p.grad = None  # breaks the reference cycle create_graph makes
