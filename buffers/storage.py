@@ -95,6 +95,7 @@ class FlatGradBuffers:
                 "generator? model.parameters() can be iterated only once); to build empty "
                 "buffers on purpose pass a list, or device="
             )
+        options.check_environment()
         self.options = options
         trained, frozen = _sort(named)
         if named and not trained:
