@@ -27,12 +27,11 @@ INF = math.inf
 
 
 def as_float(value: object, what: str) -> float:
-    """``float(value)``, or a ``TypeError`` naming the argument ``what``."""
-    if isinstance(value, str | bytes | bytearray):  # float() would parse the text
-        raise TypeError(
-            f"{what} must be a number (a float, an int or a one-element tensor), got "
-            f"{type(value).__name__} {value!r}: convert it with float() first"
-        )
+    """``float(value)``, or a ``TypeError`` naming the argument ``what``.
+
+    Text is accepted (``"inf"``: torch's ``norm_type`` takes it); :func:`as_number` is the
+    check of a value that must be a number.
+    """
     try:
         return float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError, RuntimeError) as e:  # RuntimeError: a tensor of many
@@ -40,6 +39,16 @@ def as_float(value: object, what: str) -> float:
             f"{what} must be a number (a float, an int or a one-element tensor), got "
             f"{type(value).__name__} {value!r}"
         ) from e
+
+
+def as_number(value: object, what: str) -> float:
+    """:func:`as_float` of a number: text (which ``float()`` would parse) is a ``TypeError``."""
+    if isinstance(value, str | bytes | bytearray):
+        raise TypeError(
+            f"{what} must be a number (a float, an int or a one-element tensor), got "
+            f"{type(value).__name__} {value!r}: convert it with float() first"
+        )
+    return as_float(value, what)
 
 
 def check_norm_type(norm_type: float) -> float:
@@ -83,7 +92,7 @@ def check_max_norm(max_norm: float | torch.Tensor) -> float:
     way. torch accepts a negative or NaN ``max_norm`` and flips the sign of every gradient or
     makes them all NaN; here that is a ``ValueError``. Not a number: ``TypeError``.
     """
-    value = as_float(max_norm, "max_norm")
+    value = as_number(max_norm, "max_norm")
     if not value >= 0:  # also catches NaN
         raise ValueError(
             f"max_norm must be a number >= 0 (inf never clips, 0 zeroes every gradient), got "

@@ -75,8 +75,7 @@ def test_a_max_norm_given_as_text_is_a_type_error(text):
     before = [fgb.view(p).clone() for p in params]
     with pytest.raises(TypeError, match="max_norm must be a number"):
         fgb.clip_grad_norm_(text)
-    with pytest.raises(TypeError, match="norm_type must be a number"):
-        fgb.grad_norm(str(2.0))
+    fgb.grad_norm("inf")  # torch's norm_type takes "inf": a norm type, not a number
     for p, b in zip(params, before, strict=True):
         assert torch.equal(fgb.view(p), b)
 
@@ -86,8 +85,7 @@ def test_the_list_functions_refuse_text_too():
 
     grads = [torch.randn(4), torch.randn(3, dtype=torch.bfloat16)]
     before = [g.clone() for g in grads]
-    with pytest.raises(TypeError, match="norm_type must be a number"):
-        total_norm(grads, "2")
+    total_norm(grads, "inf")  # as torch's get_total_norm
     with pytest.raises(TypeError, match="coeff must be a number"):
         scale_(grads, "0.5")
     with pytest.raises(TypeError, match="coeff must be a number"):
