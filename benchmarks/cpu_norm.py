@@ -19,10 +19,16 @@ it is available; the header says which ran); ``ours_torch_ops`` the same buffers
 ``BUFFERS_CPU_KERNEL=off`` (torch's ops in pieces: the path before the kernel, and the
 one without a compiler).
 
+``zero_backward`` (``many_small`` only, on parameters of their own): one step's zeroing and
+a backward that gives every parameter a gradient (``loss.backward(retain_graph=True)`` of a
+fixed graph with one node per parameter), ``fgb.zero_()`` against torch's
+``opt.zero_grad()``: what the torch loop's ``zero_()`` costs the host, its hooks included
+(they point each ``.grad`` at its view when backward reaches it).
+
 Record fields: inventory, dtype, num_params, numel, threads, busy, variant (ours,
-ours_torch_ops, torch),
-op (norm, clip, first), rounds, time_s, time_spread, time_rounds_s, ratio (ours / torch for
-norm and clip; first / ours' steady norm for first), rel_err (norm only), error, error_at.
+ours_torch_ops, torch), op (norm, clip, first, zero_backward), rounds, time_s, time_spread,
+time_rounds_s, ratio (ours / torch for norm, clip and zero_backward; first / ours' steady
+norm for first), rel_err (norm only), error, error_at.
 """
 
 from __future__ import annotations
@@ -194,6 +200,8 @@ def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, ro
         ("ours_torch_ops", "clip"): _torch_ops(lambda: fgb.clip_grad_norm_(0.0)),
         ("torch", "clip"): lambda: torch.nn.utils.clip_grad_norm_(theirs, 0.0, foreach=True),
     }
+    if inventory == "many_small":
+        calls |= _zero_backward_calls(inventory, args, dtype)
     records = []
     saved = torch.get_num_threads()
     try:
@@ -231,6 +239,29 @@ def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, ro
     finally:
         torch.set_num_threads(saved)
     return records
+
+
+def _zero_backward_calls(inventory: str, args, dtype: torch.dtype) -> dict:
+    """``zero_()`` + backward against ``opt.zero_grad()`` + backward, on new parameters."""
+    calls = {}
+    for variant in ("ours", "torch"):
+        params = _params(inventory, args, dtype)
+        for p in params:
+            p.data.normal_()
+        # one node per parameter, as a model's graph has; the same graph on both sides
+        loss = torch.stack([p[0] for p in params]).float().sum()
+        if variant == "ours":
+            fgb = FlatGradBuffers(params)
+            zero = fgb.zero_
+        else:
+            zero = torch.optim.SGD(params, lr=0.0).zero_grad
+
+        def step(zero=zero, loss=loss, keep=params):
+            zero()
+            loss.backward(retain_graph=True)
+
+        calls[(variant, "zero_backward")] = step
+    return calls
 
 
 COLUMNS = [

@@ -7,8 +7,18 @@ when the model is converted after the buffers were built (``model.half()`` repla
 re-created (the old parameters are freed: they are held weakly here), when torch DDP with
 ``gradient_as_bucket_view=True`` moves ``.grad`` into its buckets, or after ``close()``.
 
-None of that is checked per parameter per step. Post-accumulate hooks notice a broken
-binding during the backward that writes the gradient elsewhere; a weak reference notices
+As torch's ``zero_grad()`` does, :meth:`BindingWatch.zeroed` sets every ``.grad`` to None, so
+a torch optimizer skips a parameter that gets no gradient before its step (no momentum, no
+weight decay). A hook on each parameter points ``.grad`` at its (zero) view when autograd
+is about to accumulate its next gradient, so backward still accumulates in place. Which
+None is ours and which is someone else's is told by a generation count: ``zeroed()``
+advances it, and a parameter whose ``.grad`` was pointed at its view in the current
+generation and is None again was cleared by someone else (``zero_grad(set_to_none=True)``,
+``.grad = None``) while its view still holds that gradient: reported, never re-bound.
+[Note: gradients set to None between steps]
+
+None of that is checked per parameter per step. The same hooks notice a broken binding
+during the backward that would write the gradient elsewhere; a weak reference notices
 a freed parameter; each call checks one parameter per buffer (O(buffers), which catches a
 whole-model conversion or ``zero_grad(set_to_none=True)`` before any backward); and
 :meth:`BindingWatch.check_all` walks every parameter where the caller asks for it. What
@@ -17,8 +27,11 @@ broke and what to do is worked out only when there is something to report.
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
+import itertools
+import operator
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +81,8 @@ class Binding:
     view: torch.Tensor
     root: torch.Tensor  # the flat buffer the view is part of
     offset: int  # bytes from the buffer's start to the view's
+    index: int  # in BindingWatch.bound_in
+    taken: bool = False  # a FlatGradBuffers built later over the same parameter took it
 
     @property
     def ptr(self) -> int:
@@ -129,6 +144,12 @@ def refuse_bucket_view_ddp(named: list[tuple[str, torch.Tensor]]) -> None:
             )
 
 
+# id(parameter) -> (weak parameter, weak BindingWatch): which open buffers hold each
+# parameter's gradient, so that buffers built later over the same parameter can tell the
+# earlier ones that it was taken (checked by identity: ids of freed objects are reused).
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
 def _remove_hooks(hooks: list) -> None:
     for handle in hooks:
         handle.remove()
@@ -162,35 +183,88 @@ class BindingWatch:
         self.closed = False
         self.hooks: list = []
         self._finalizer = weakref.finalize(self, _remove_hooks, self.hooks)
+        # [Note: gradients set to None between steps]. Per binding, in binding order: the
+        # generation in which its .grad was last pointed at its view; its weak parameter
+        # and its view, so that zeroed() sets every .grad without a Python loop.
+        self.generation = 0
+        self.bound_in: list[int] = []
+        self.refs: list[weakref.ref] = []
+        self.views: list[torch.Tensor] = []
 
     # --- building -------------------------------------------------------------------------
 
     def bind(self, name: str, p: torch.Tensor, view: torch.Tensor) -> None:
-        """Point ``p.grad`` at ``view`` (copying an existing gradient) and hook it."""
+        """Point ``p.grad`` at ``view`` (copying an existing gradient) and hook it.
+
+        The hooks keep backward accumulating into ``view`` after :meth:`zeroed` sets
+        ``.grad`` to None.
+        """
         pid = id(p)
         mine = weakref.ref(self)
         root = view._base if view._base is not None else view
         offset = view.data_ptr() - root.data_ptr()
+        index = len(self.refs)
 
-        def check(q: torch.Tensor) -> None:
+        def attach(grad: torch.Tensor) -> None:
+            # Runs just before autograd accumulates into .grad (one hook per parameter and
+            # backward, which also checks the binding): a None .grad becomes the view (zero
+            # since zeroed()), so the accumulation lands in the buffer.
             watch = mine()
-            if watch is not None and (
-                q.grad is None or q.grad.data_ptr() != root.data_ptr() + offset
-            ):
+            if watch is None:
+                return
+            q = ref()
+            now = q.grad
+            if now is None:
+                if binding.taken:
+                    return
+                if watch.bound_in[index] == watch.generation:
+                    watch.broken[pid] = None  # cleared by someone else: the view is stale
+                    return
+                q.grad = view
+                watch.bound_in[index] = watch.generation
+            elif now.data_ptr() != root.data_ptr() + offset:
+                watch.broken[pid] = None
+            if torch.is_grad_enabled():  # create_graph=True: autograd adds out of place
                 watch.broken[pid] = None
 
         def freed(_ref, pid=pid) -> None:
             watch = mine()
             if watch is not None:
                 watch.broken[pid] = None
+            owner = _OWNERS.get(pid)
+            if owner is not None and owner[0] is _ref:
+                del _OWNERS[pid]
 
+        self.hooks.append(p.register_hook(attach))
+        ref = weakref.ref(p, freed)
+        binding = Binding(name, pid, ref, p.dtype, p.shape, p.device, view, root, offset, index)
+        self.refs.append(ref)
+        self.views.append(view)
         if p.grad is not None:
             view.copy_(p.grad)
-        self.hooks.append(p.register_post_accumulate_grad_hook(check))
         p.grad = view
-        self.bindings[pid] = Binding(
-            name, pid, weakref.ref(p, freed), p.dtype, p.shape, p.device, view, root, offset
-        )
+        self.bound_in.append(self.generation)
+        self.bindings[pid] = binding
+
+    def claim(self) -> int:
+        """Register these bindings as the owners of their parameters' gradients.
+
+        Bindings of other open buffers over the same parameters are marked taken (their
+        next call raises, naming this cause). Returns how many were taken.
+        """
+        mine = weakref.ref(self)
+        taken = 0
+        for pid, b in self.bindings.items():
+            owner = _OWNERS.get(pid)
+            other = None if owner is None or owner[0]() is not b.ref() else owner[1]()
+            if other is not None and other is not self and not other.closed:
+                theirs = other.bindings.get(pid)
+                if theirs is not None and not theirs.taken:
+                    theirs.taken = True
+                    other.broken[pid] = None
+                    taken += 1
+            _OWNERS[pid] = (b.ref, mine)
+        return taken
 
     def watch_outsider(self, p: torch.Tensor, name: str, reason: str) -> None:
         """Report ``reason`` (with ``{names}`` for ``name``) if ``p`` ever receives a gradient.
@@ -224,6 +298,22 @@ class BindingWatch:
             p.grad = grad
         _remove_hooks(self.hooks)
 
+    def zeroed(self, set_to_none: bool) -> None:
+        """After the buffers were zeroed: every ``.grad`` None, or its (zero) view.
+
+        One C-level pass (``map``), no Python loop over the parameters; raises what
+        :meth:`rebind` raises for a binding that cannot be repaired.
+        """
+        if not self.intact():  # usually intact: no per-parameter work per step
+            self.scan()  # find every escaped gradient, not only the sampled one
+            self.rebind()
+        self.generation += 1
+        params = map(operator.call, self.refs)  # all alive: a freed one raised above
+        grads = itertools.repeat(None) if set_to_none else self.views
+        collections.deque(map(setattr, params, itertools.repeat("grad"), grads), maxlen=0)
+        if not set_to_none:
+            self.bound_in = [self.generation] * len(self.bound_in)
+
     def pick_samples(self) -> None:
         """Check one parameter per buffer on every call: the first of each dtype."""
         firsts: dict[torch.dtype, Binding] = {}
@@ -239,12 +329,20 @@ class BindingWatch:
         if self.broken or self.closed:
             return False
         for b in self.samples:
-            p = b.ref()
-            grad = None if p is None else p.grad
-            if grad is None or grad.data_ptr() != b.ptr:
+            if self._escaped(b):
                 self.broken[b.pid] = None
                 return False
         return True
+
+    def _escaped(self, b: Binding) -> bool:
+        """Whether ``b``'s gradient is not where the norm reads it (its view)."""
+        p = b.ref()
+        if p is None or b.taken:
+            return True
+        grad = p.grad
+        if grad is None:  # no gradient yet unless one was accumulated since zeroed()
+            return self.bound_in[b.index] == self.generation
+        return grad.data_ptr() != b.ptr or p.dtype != b.dtype
 
     def check_all(self) -> None:
         """Every parameter, once (``check_bindings``); raises what :meth:`raise_broken` does."""
@@ -255,8 +353,7 @@ class BindingWatch:
     def scan(self) -> None:
         """Mark every broken binding, one pass over the parameters."""
         for pid, b in self.bindings.items():
-            p = b.ref()
-            if p is None or p.grad is None or p.grad.data_ptr() != b.ptr or p.dtype != b.dtype:
+            if self._escaped(b):
                 self.broken[pid] = None
         for pid, (ref, _, _) in self.outsiders.items():
             p = ref()
@@ -281,6 +378,13 @@ class BindingWatch:
         b = self.bindings[pid]
         name = repr(b.name)
         p = b.ref()
+        if b.taken:
+            return name, Problem(
+                True,
+                "parameter {names} was taken by a FlatGradBuffers built later over the same "
+                "parameters, so its gradient now accumulates in that one's buffers, not in "
+                "these: use the newest FlatGradBuffers only (close() this one, or let it go)",
+            )
         if p is None:
             return name, Problem(
                 True,
@@ -352,13 +456,10 @@ class BindingWatch:
         raise GradientOutsideBufferError(self.report())
 
     def rebind(self) -> None:
-        """Point every broken gradient back at its view, or raise if one cannot be."""
+        """Forget repairable breaks (:meth:`zeroed` sets every ``.grad``), or raise."""
         wrapped = functools.cache(bucket_view_param_ids)
         if self.closed or any(self.diagnose(pid, wrapped)[1].fatal for pid in self.broken):
             self.raise_broken()
-        for pid in self.broken:
-            b = self.bindings[pid]
-            b.ref().grad = b.view
         self.broken.clear()
 
 

@@ -55,7 +55,7 @@ def total_norm(
 
 def scale_(tensors: Iterable[torch.Tensor], coeff: torch.Tensor | float) -> None:
     """Multiply every tensor in place by ``coeff`` (a device tensor needs no host sync)."""
-    groups = group_by_device_dtype(tensors)
     if not isinstance(coeff, torch.Tensor):
-        coeff = torch.tensor(float(coeff), dtype=torch.float32)
+        coeff = torch.tensor(ops.as_number(coeff, "coeff"), dtype=torch.float32)
+    groups = group_by_device_dtype(tensors)
     ops.scale_groups_(groups, coeff)

@@ -12,8 +12,9 @@ machine's architecture, and loaded with ctypes (which lets other threads run dur
 call). Without a compiler the norm runs on torch's ops, as fast as before, and one
 :class:`NativeKernelWarning` says so.
 
-``BUFFERS_CPU_KERNEL``: ``auto`` (default) uses the kernel where it is fast on this CPU;
-``off`` never builds or uses it (torch's ops, no warning).
+``BUFFERS_CPU_KERNEL``: ``1`` or ``auto`` (default) uses the kernel where it is fast on this
+CPU; ``0`` or ``off`` never builds or uses it (torch's ops, no warning). ``0``/``1`` as the
+other switches (``BUFFERS_CUDA_GRAPHS``, ...) take them; the words remain.
 """
 
 from __future__ import annotations
@@ -51,13 +52,18 @@ def cache_dir() -> Path:
     return Path(base) / "megatron-dtype-buffers"
 
 
+SWITCH = {"1": "auto", "0": "off"}  # the spelling of the other switches
+
+
 def choice() -> str:
-    """``BUFFERS_CPU_KERNEL``, checked."""
+    """``BUFFERS_CPU_KERNEL``, checked: ``auto`` or ``off``."""
     value = os.environ.get("BUFFERS_CPU_KERNEL", "auto").strip().lower() or "auto"
+    value = SWITCH.get(value, value)
     if value not in CHOICES:
         raise ValueError(
-            f"BUFFERS_CPU_KERNEL={value!r}; expected one of {CHOICES} (auto: use the CPU "
-            "norm's compiled kernel where it is fast; off: torch's ops)"
+            f"BUFFERS_CPU_KERNEL={value!r}; expected one of 1, 0, {', '.join(CHOICES)} "
+            "(1 or auto: use the CPU norm's compiled kernel where it is fast; 0 or off: "
+            "torch's ops)"
         )
     return value
 

@@ -26,8 +26,12 @@ from .segments import SegmentTable, SpanSegments, torch_segment_stats_
 INF = math.inf
 
 
-def _as_float(value: object, what: str) -> float:
-    """``float(value)``, or a ``TypeError`` naming the argument ``what``."""
+def as_float(value: object, what: str) -> float:
+    """``float(value)``, or a ``TypeError`` naming the argument ``what``.
+
+    Text is accepted (``"inf"``: torch's ``norm_type`` takes it); :func:`as_number` is the
+    check of a value that must be a number.
+    """
     try:
         return float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError, RuntimeError) as e:  # RuntimeError: a tensor of many
@@ -37,13 +41,23 @@ def _as_float(value: object, what: str) -> float:
         ) from e
 
 
+def as_number(value: object, what: str) -> float:
+    """:func:`as_float` of a number: text (which ``float()`` would parse) is a ``TypeError``."""
+    if isinstance(value, str | bytes | bytearray):
+        raise TypeError(
+            f"{what} must be a number (a float, an int or a one-element tensor), got "
+            f"{type(value).__name__} {value!r}: convert it with float() first"
+        )
+    return as_float(value, what)
+
+
 def check_norm_type(norm_type: float) -> float:
     """Return ``norm_type`` as a float, or raise: p > 0 or inf are accepted.
 
     For megatron-core's functions, whose own code takes nothing else;
     :func:`check_torch_norm_type` is the check of the torch-like calls.
     """
-    p = _as_float(norm_type, "norm_type")
+    p = as_float(norm_type, "norm_type")
     if not (p == INF or p > 0):
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
     return p
@@ -56,7 +70,7 @@ def check_torch_norm_type(norm_type: float) -> float:
     the tensors holding a nonzero element, ``-inf`` is the smallest ``|x|``, p < 0 is
     ``(sum |x|^p)^(1/p)`` (0 as soon as one element is 0).
     """
-    p = _as_float(norm_type, "norm_type")
+    p = as_float(norm_type, "norm_type")
     if math.isnan(p):
         raise ValueError("norm_type must be a number or +-inf, got nan")
     return p
@@ -78,7 +92,7 @@ def check_max_norm(max_norm: float | torch.Tensor) -> float:
     way. torch accepts a negative or NaN ``max_norm`` and flips the sign of every gradient or
     makes them all NaN; here that is a ``ValueError``. Not a number: ``TypeError``.
     """
-    value = _as_float(max_norm, "max_norm")
+    value = as_number(max_norm, "max_norm")
     if not value >= 0:  # also catches NaN
         raise ValueError(
             f"max_norm must be a number >= 0 (inf never clips, 0 zeroes every gradient), got "
@@ -566,9 +580,9 @@ def backend_for(device: torch.device, options: BufferOptions = DEFAULT) -> Torch
     imports, else torch; on other devices torch. ``triton``/``te`` ask for one (falling back
     to torch if it does not import); ``torch`` forces torch's kernels.
     """
+    choice = options.effective_backend  # checked on every device: a typo is an error here too
     if device.type != "cuda":
         return _TORCH
-    choice = options.effective_backend
     if (device, choice) not in _CUDA_CACHE:
         loaders = {
             "auto": [_load_triton, lambda: _load_te(device)],

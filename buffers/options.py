@@ -5,7 +5,8 @@ options=...)``; the Megatron side's :class:`megatron_ext.options.MegatronOptions
 it). The environment variables ``BUFFERS_BACKEND``, ``BUFFERS_CUDA_GRAPHS`` and
 ``BUFFERS_GRAPH_COLLECTIVES`` remain, only as overrides of whatever the options say (for
 switching a job without editing it); they are read when a switch is used, so a change
-takes effect at the next call.
+takes effect at the next call, and all of them when buffers are built, on every device, so
+a value that is not valid is an error there.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ class BufferOptions:
         """``backend``, unless ``BUFFERS_BACKEND`` overrides it."""
         choice = os.environ.get("BUFFERS_BACKEND") or self.backend
         if choice not in BACKENDS:
-            raise ValueError(f"BUFFERS_BACKEND={choice!r}; expected one of {BACKENDS}")
+            raise ValueError(
+                f"the environment variable BUFFERS_BACKEND={choice!r} is not a backend; valid "
+                f"values: {', '.join(BACKENDS)} (or unset it)"
+            )
         return choice
 
     @property
@@ -56,13 +60,24 @@ class BufferOptions:
         """``graph_collectives``, unless ``BUFFERS_GRAPH_COLLECTIVES`` overrides it."""
         return _switch("BUFFERS_GRAPH_COLLECTIVES", self.graph_collectives)
 
+    def check_environment(self) -> None:
+        """Read every overriding environment variable: ``ValueError`` naming a bad one.
+
+        Done where buffers are built, on every device: the CPU uses none of these
+        switches, and a misspelt value must not wait for the job's move to a GPU.
+        """
+        _ = self.effective_backend, self.effective_cuda_graphs, self.effective_graph_collectives
+
 
 def _switch(name: str, default: bool) -> bool:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
     if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}; expected 0 or 1")
+        raise ValueError(
+            f"the environment variable {name}={value!r} is not a switch; valid values: 0 or 1 "
+            "(or unset it)"
+        )
     return value == "1"
 
 

@@ -66,6 +66,16 @@ class LazyNorms(Mapping):
         return f"LazyNorms({shown})"
 
 
+class _Refuse:
+    """:class:`GroupIndex`'s default ``unmatched``: a name the pattern misses is an error."""
+
+    def __repr__(self) -> str:
+        return "REFUSE"
+
+
+REFUSE = _Refuse()
+
+
 class GroupIndex:
     """Which group (layer, module type, ...) each parameter name belongs to; built once.
 
@@ -73,16 +83,30 @@ class GroupIndex:
         names: the parameter names, in the order of the norms to aggregate
             (:attr:`ParamNorms.names`).
         rule: a regular expression (its first group, or the whole match when it has none,
-            names the group; a name it does not match belongs to no group), or a function
-            from a name to its group name (``None``: no group).
+            names the group), or a function from a name to its group name (``None``: the
+            function puts that name in no group).
+        unmatched: keyword-only: what becomes of a name the rule gives no group. By
+            default a name a regular expression does not match is a ``ValueError`` naming
+            it (a pattern that silently leaves parameters out of every group hides them),
+            and one a function maps to None is in no group. A string: such names form one
+            group of that name. None: they are left out of every group.
 
     Groups are listed in the order their first member appears.
     """
 
     def __init__(
-        self, names: Sequence[str], rule: str | re.Pattern | Callable[[str], str | None]
+        self,
+        names: Sequence[str],
+        rule: str | re.Pattern | Callable[[str], str | None],
+        *,
+        unmatched: str | None | _Refuse = REFUSE,
     ) -> None:
+        if not (unmatched is None or unmatched is REFUSE or isinstance(unmatched, str)):
+            raise TypeError(
+                f"unmatched must be a group name (str) or None, got {type(unmatched).__name__}"
+            )
         self.names = tuple(names)
+        pattern = None
         if isinstance(rule, str | re.Pattern):
             pattern = re.compile(rule)
 
@@ -92,11 +116,24 @@ class GroupIndex:
                     return None
                 return m.group(1) if pattern.groups else m.group(0)
 
+        found = [rule(name) for name in self.names]
+        missed = [name for name, g in zip(self.names, found, strict=True) if g is None]
+        if missed and pattern is not None and unmatched is REFUSE:
+            shown = repr(missed[0])
+            if len(missed) > 1:
+                more = len(missed) - 4
+                shown += f" (and {', '.join(map(repr, missed[1:4]))}"
+                shown += f" and {more} more)" if more > 0 else ")"
+            raise ValueError(
+                f"GroupIndex: the pattern {pattern.pattern!r} does not match {len(missed)} of "
+                f"the {len(self.names)} names, {shown}, so their norms would be in no group: "
+                "pass unmatched='<group name>' to gather them in one group, or "
+                "unmatched=None to leave them out"
+            )
+        if isinstance(unmatched, str):
+            found = [unmatched if g is None else g for g in found]
         ids: dict[str, int] = {}
-        member = []
-        for name in self.names:
-            g = rule(name)
-            member.append(-1 if g is None else ids.setdefault(g, len(ids)))
+        member = [-1 if g is None else ids.setdefault(g, len(ids)) for g in found]
         self.groups = tuple(ids)
         dump = len(self.groups)  # the slot of names in no group
         self._member = torch.tensor([dump if m < 0 else m for m in member], dtype=torch.int64)

@@ -95,6 +95,7 @@ class FlatGradBuffers:
                 "generator? model.parameters() can be iterated only once); to build empty "
                 "buffers on purpose pass a list, or device="
             )
+        options.check_environment()
         self.options = options
         trained, frozen = _sort(named)
         if named and not trained:
@@ -175,6 +176,7 @@ class FlatGradBuffers:
             self._watch.undo(before)
             raise
         self._watch.pick_samples()
+        self._watch.claim()
 
     def close(self) -> None:
         """Remove the hooks these buffers put on the parameters (idempotent).
@@ -226,17 +228,25 @@ class FlatGradBuffers:
             self._modules.scan()
         self._watch.check_all()
 
-    def zero_(self) -> None:
-        """Zero every buffer (padding included) and re-bind any gradient that escaped.
+    def zero_(self, set_to_none: bool = True) -> None:
+        """Zero every buffer (padding included) and reset every ``.grad``, as ``zero_grad()``.
+
+        Args:
+            set_to_none: as torch's ``Optimizer.zero_grad``: True (default) sets every
+                ``.grad`` to None, so a torch optimizer skips a parameter that gets no
+                gradient before its next step (frozen, or unused this step: no momentum,
+                no weight decay); backward points ``.grad`` back at its zeroed view when it
+                accumulates one. False sets every ``.grad`` to its zeroed view, so every
+                parameter is stepped, with a zero gradient where it got none.
 
         Raises ``GradientOutsideBufferError`` for what re-binding cannot fix (a converted
-        or freed parameter, DDP bucket views, closed buffers).
+        or freed parameter, DDP bucket views, closed buffers, buffers built later over the
+        same parameters).
         """
+        ops.check_flag(set_to_none, "set_to_none")
         for buf in self.buffers.values():
             buf.zero_()
-        if not self._watch.intact():  # usually intact: no per-parameter work per step
-            self._watch.scan()  # find every escaped gradient, not only the sampled one
-            self._watch.rebind()
+        self._watch.zeroed(set_to_none)
 
     @overload
     def grad_norm(

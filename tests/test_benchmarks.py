@@ -1002,7 +1002,8 @@ def test_cpu_norm_rows_and_accuracy(tmp_path):
     keys = {(r["inventory"], r["busy"], r["variant"], r["op"]) for r in records}
     ops = {(v, o) for v in ("ours", "ours_torch_ops", "torch") for o in ("norm", "clip")}
     ops.add(("ours", "first"))
-    assert keys == {(i, b, v, o) for i in script.INVENTORIES for b in (0, 1) for v, o in ops}
+    zero = {("many_small", b, v, "zero_backward") for b in (0, 1) for v in ("ours", "torch")}
+    assert keys == {(i, b, v, o) for i in script.INVENTORIES for b in (0, 1) for v, o in ops} | zero
     for r in records:
         assert "error" not in r, r
         assert r["time_s"] > 0 and len(r["time_rounds_s"]) == 2

@@ -66,3 +66,29 @@ def test_installed_megatron_clip_refuses(bad):
     with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
         install_module.clip_grad_by_total_norm_fp32(params, bad, torch.tensor(2.0))
     assert torch.equal(params[0].grad, torch.ones(4))
+
+
+@pytest.mark.parametrize("text", ["0.01", b"0.01", "inf"])
+def test_a_max_norm_given_as_text_is_a_type_error(text):
+    # float("0.01") would parse it; the docs promise a TypeError for what is not a number
+    fgb, params = filled_buffers()
+    before = [fgb.view(p).clone() for p in params]
+    with pytest.raises(TypeError, match="max_norm must be a number"):
+        fgb.clip_grad_norm_(text)
+    fgb.grad_norm("inf")  # torch's norm_type takes "inf": a norm type, not a number
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(fgb.view(p), b)
+
+
+def test_the_list_functions_refuse_text_too():
+    from buffers import scale_, total_norm
+
+    grads = [torch.randn(4), torch.randn(3, dtype=torch.bfloat16)]
+    before = [g.clone() for g in grads]
+    total_norm(grads, "inf")  # as torch's get_total_norm
+    with pytest.raises(TypeError, match="coeff must be a number"):
+        scale_(grads, "0.5")
+    with pytest.raises(TypeError, match="coeff must be a number"):
+        scale_(grads, [0.5])
+    for g, b in zip(grads, before, strict=True):
+        assert torch.equal(g, b)

@@ -274,3 +274,14 @@ def test_processes_building_at_once_all_load_it(tmp_path):
     assert all(proc.returncode == 0 for proc in procs), outs
     assert len({out.strip() for out, _ in outs}) == 1
     assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".so"]
+
+
+@pytest.mark.parametrize(
+    "value, means", [("0", "off"), ("1", "auto"), ("off", "off"), ("auto", "auto")]
+)
+def test_zero_and_one_as_the_other_switches_take_them(fresh_native, monkeypatch, value, means):
+    # BUFFERS_CUDA_GRAPHS and BUFFERS_GRAPH_COLLECTIVES take 0/1; the old words still work
+    monkeypatch.setenv("BUFFERS_CPU_KERNEL", value)
+    assert native.choice() == means
+    if means == "off":
+        assert native.describe() == "torch's ops (BUFFERS_CPU_KERNEL=off)"

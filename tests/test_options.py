@@ -105,3 +105,24 @@ def test_offload_threads_are_checked():
     for bad in (0, -1, 2.0, True, "4"):
         with pytest.raises(ValueError, match="offload_threads=.*positive int"):
             MegatronOptions(offload_threads=bad)
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("BUFFERS_BACKEND", "torhc"),
+        ("BUFFERS_CUDA_GRAPHS", "yes"),
+        ("BUFFERS_GRAPH_COLLECTIVES", "on"),
+    ],
+)
+def test_a_misspelt_environment_switch_is_refused_on_the_cpu_too(monkeypatch, variable, value):
+    # The CPU never uses these switches, so nothing read them: a typo went unnoticed until
+    # the job moved to a GPU. Building the buffers reads every one of them.
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=rf"{variable}={value!r}.*(auto|0 or 1)"):
+        FlatGradBuffers([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match=variable):
+        BufferOptions().check_environment()
+    if variable == "BUFFERS_BACKEND":
+        with pytest.raises(ValueError, match="BUFFERS_BACKEND='torhc'"):
+            ops.backend_for(torch.device("cpu"))

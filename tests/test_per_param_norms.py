@@ -153,7 +153,7 @@ def test_no_parameters(device):
 def test_group_aggregation_on_device(device):
     fgb, params, grads = build(device, seed=4)
     res = fgb.grad_norm(per_param=True)
-    layers = GroupIndex(res.names, r"^layers\.(\d+)\.")
+    layers = GroupIndex(res.names, r"^layers\.(\d+)\.", unmatched=None)
     assert layers.groups == ("0", "1")
     kinds = GroupIndex(res.names, lambda n: "attn" if ".attn." in n else None)
     for p in NORM_TYPES:
@@ -166,7 +166,7 @@ def test_group_aggregation_on_device(device):
         attn = [grads[n] for n in grads if ".attn." in n]
         assert rel(res.by_group(kinds)["attn"], ref_norm(attn, p)) <= 1e-6
     with pytest.raises(ValueError, match="other parameter names"):
-        res.by_group(GroupIndex(res.names[1:], r"layers"))
+        res.by_group(GroupIndex(res.names[1:], r"layers", unmatched=None))
 
 
 class CountingStandIn:
@@ -385,3 +385,22 @@ def test_ranks_one_all_reduce_per_call(tmp_path, world):
         for p in (2.0, math.inf):
             for name, value in zip(names, res["nan"][p], strict=True):
                 assert math.isnan(value) == (name == nan_name), (p, name)
+
+
+def test_names_a_pattern_does_not_match_are_an_error_unless_said_what_to_do():
+    names = ("layers.0.w", "layers.1.w", "embedding.w", "final_norm.w")
+    with pytest.raises(ValueError, match=r"'embedding\.w' \(and 'final_norm\.w'\).*unmatched="):
+        GroupIndex(names, r"^layers\.(\d+)\.")
+    collected = GroupIndex(names, r"^layers\.(\d+)\.", unmatched="other")
+    assert collected.groups == ("0", "1", "other")
+    dropped = GroupIndex(names, r"^layers\.(\d+)\.", unmatched=None)
+    assert dropped.groups == ("0", "1")
+    # a function says None on purpose: those names are in no group, unless unmatched names one
+    rule = lambda n: n.split(".")[1] if n.startswith("layers.") else None  # noqa: E731
+    assert GroupIndex(names, rule).groups == ("0", "1")
+    assert GroupIndex(names, rule, unmatched="rest").groups == ("0", "1", "rest")
+    norms = torch.tensor([3.0, 4.0, 12.0, 5.0])
+    got = GroupIndex(names, r"^layers\.(\d+)\.", unmatched="other").aggregate(norms)
+    assert got.tolist() == [3.0, 4.0, 13.0]
+    with pytest.raises(TypeError, match="unmatched"):
+        GroupIndex(names, r"^layers\.(\d+)\.", unmatched=1)

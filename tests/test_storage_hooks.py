@@ -1,4 +1,4 @@
-"""FlatGradBuffers' post-accumulate hooks: rebuilding over the same parameters, close()."""
+"""FlatGradBuffers' gradient hooks: rebuilding over the same parameters, close()."""
 
 import gc
 import math
@@ -17,7 +17,7 @@ def model(seed=0):
 
 
 def hooks_on(p) -> int:
-    return len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+    return len(getattr(p, "_backward_hooks", None) or {})
 
 
 def backward(net, seed):
@@ -73,3 +73,26 @@ def test_an_open_buffer_still_detects_an_escaped_gradient_after_a_rebuild_elsewh
         assert "sink" in str(e)
     else:
         raise AssertionError("an escaped gradient was not detected")
+
+
+def test_buffers_built_again_over_the_same_model_name_the_real_cause():
+    # The old buffers, still open, lose the gradients to the new ones: their next call
+    # says so, instead of blaming zero_grad(set_to_none=True).
+    net = model(5)
+    first = FlatGradBuffers(net.named_parameters())
+    second = FlatGradBuffers(net.named_parameters())
+    for step in range(2):
+        second.zero_()
+        backward(net, step)
+        assert math.isclose(float(second.grad_norm()), fp64_norm(net), rel_tol=1e-6)
+    for call in (first.grad_norm, first.zero_, lambda: first.clip_grad_norm_(1.0)):
+        try:
+            call()
+        except RuntimeError as e:
+            assert "'0.weight'" in str(e) and "built later over the same parameters" in str(e)
+            assert "set_to_none" not in str(e)
+        else:
+            raise AssertionError("the first buffers did not report losing the gradients")
+    second.zero_()  # the first's hooks and zero_() left the second's bindings alone
+    backward(net, 3)
+    assert all(p.grad is second.view(p) for p in net.parameters())

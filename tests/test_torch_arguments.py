@@ -213,6 +213,9 @@ class RefusesHooks(torch.nn.Parameter):
     def register_post_accumulate_grad_hook(self, hook):
         raise RuntimeError("no hooks here")
 
+    def register_hook(self, hook):
+        raise RuntimeError("no hooks here")
+
 
 def invalid(kind):
     if kind == "non_leaf":
@@ -247,4 +250,5 @@ def test_a_failed_construction_leaves_nothing_behind(kind, at):
             assert p.grad is g, "a .grad was replaced"
             assert v is None or torch.equal(p.grad, v)
             assert not getattr(p, "_post_accumulate_grad_hooks", None), "a hook was left"
+            assert not getattr(p, "_backward_hooks", None), "a hook was left"
     assert not frozen.requires_grad
