@@ -33,7 +33,7 @@ from megatron_ext.layout import buffer_layout
 from megatron_ext.offload import HostMirrorHybridOptimizer
 from megatron_ext.offload.host_mirror import build_buffer_mirror
 from megatron_ext.offload.plan import MirrorLayout, copy_schedule, mirror_layout, offload_blocks
-from tests.support import streams
+from tests.support import offload_internals, streams
 from tests.support.offload_sim import (
     FP32_SHAPES,
     SHAPES,
@@ -47,11 +47,12 @@ from tests.support.offload_sim import (
     MirrorPlacedOnDevice,
     SimBuffer,
     StockPlaced,
-    StockPlacedFp32Fixed,
+    assert_adamw_in_fp64_terms,
     assert_same_run,
     assert_same_state,
+    fp64_run,
     make_hdo,
-    recording_streams,
+    placement,
     sim,
     train,
     train_switching,
@@ -270,11 +271,6 @@ def test_mirror_reads_from_a_local_fp32_mirror_and_writes_to_a_local_device_flat
 # megatron-core's HybridDeviceOptimizer with host mirrors against its per-parameter path
 
 
-@pytest.fixture
-def cpu_streams(monkeypatch):
-    return recording_streams(monkeypatch)
-
-
 def test_recording_streams_order_copies_events_waits_and_reads(monkeypatch):
     """The stand-ins the offload tests run on: copy -> event -> synchronize -> read passes;
     a read without the synchronize, a copy not ordered after the compute stream, and a step
@@ -319,11 +315,12 @@ def test_hdo_with_host_mirrors_matches_stock_bit_for_bit(
 ):
     runs = []
     mirrored = (MirrorPlaced, MirrorChunked, MirrorPlacedOnDevice, MirrorChunkedOnDevice)
-    for cls in (StockPlacedFp32Fixed, *mirrored):
-        bf16, fp32, groups, sources, bind, shard16 = sim(pa, fp32_first, grads_fp32, dp, rank)
-        hdo = make_hdo(
-            cls, groups, fraction, overlap, None if issubclass(cls, StockPlaced) else sources
+    for cls in (StockPlaced, *mirrored):
+        stock = cls is StockPlaced
+        bf16, fp32, groups, sources, bind, shard16 = sim(
+            pa, fp32_first, grads_fp32, dp, rank, torch_grads=stock
         )
+        hdo = make_hdo(cls, groups, fraction, overlap, None if stock else sources)
         runs.append((bf16, fp32, bind, hdo, shard16))
     for ours in (run[3] for run in runs[1:]):
         assert ours.host_mirrors and all(not s["pinned"] for s in ours.host_mirror_stats())
@@ -352,13 +349,68 @@ def test_hdo_with_host_mirrors_matches_stock_bit_for_bit(
                 assert torch.equal(x, y)  # the updated shards (fp32 main shards without pa)
             assert_same_state(stock, mine)
     for chunked in (runs[2][3], runs[4][3]):
-        assert chunked._chunked is not None, chunked.chunked_step_off  # not a fallback
+        assert offload_internals.chunked(chunked) is not None, (
+            chunked.chunked_step_off
+        )  # not a fallback
     for on_device in (runs[3][3], runs[4][3]):  # fp32 crosses: no host conversion or packing
         assert all(m.device_convert for m in on_device.host_mirrors)
         assert all(b.pack is None for m in on_device.host_mirrors for b in m.blocks)
     assert {id(c): c.grad for c in runs[1][3].cpu_copys_map_gpu_param} == grads_before
     moved = [not torch.equal(p, q) for p, q in zip(runs[1][4].values(), initial, strict=True)]
     assert all(moved)
+
+
+@pytest.mark.parametrize("in_fp32", [True, False], ids=["fp32_updates", "as_is"])
+def test_the_simulated_placement_is_megatron_cores_on_the_device(in_fp32):
+    """The simulations' placement runs megatron-core's own rule with every parameter on the
+    "device": the first parameters up to the fraction get host copies (copies, not views),
+    and only with ``param_update_in_fp32`` are bf16 ones given fp32 copies."""
+    _, _, groups, _, _, _ = sim(True, False, False, 1, 0)
+    params = [p for g in groups for p in g["params"]]
+    cpu_groups, gpu_groups, to_cpu, to_gpu, fp32 = placement(groups, 0.5, in_fp32)
+    moved, total = 0, sum(p.numel() for p in params)
+    for p in params:  # megatron-core's greedy rule, in group order
+        assert (p in to_cpu) == (moved < total * 0.5)
+        moved += p.numel() if p in to_cpu else 0
+    assert 0 < len(to_cpu) < len(params)
+    for orig, cpu in to_cpu.items():
+        assert to_gpu[cpu] is orig and torch.equal(cpu.double(), orig.double())
+        assert cpu.untyped_storage().data_ptr() != orig.untyped_storage().data_ptr()
+    cast = {p for p in params if p.dtype == torch.bfloat16} if in_fp32 else set()
+    assert set(fp32) == cast and all(t.dtype == torch.float32 for t in fp32.values())
+    placed = [p for g in cpu_groups + gpu_groups for p in g["params"]]
+    assert {p.dtype for p in placed} == (
+        {torch.float32} if in_fp32 else {torch.float32, torch.bfloat16}
+    )
+    on_cpu = {id(p) for g in cpu_groups for p in g["params"]}
+    assert on_cpu == {id(fp32.get(o, c)) for o, c in to_cpu.items()}
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize(
+    "pa,grads_fp32,islands",
+    [(True, False, False), (True, False, True), (True, True, True), (False, False, False)],
+    ids=["pa", "pa_islands", "pa_fp32grads_islands", "main"],
+)
+@pytest.mark.parametrize(
+    "cls",
+    [StockPlaced, MirrorPlaced, MirrorChunkedTorch, MirrorChunkedNative, MirrorChunkedOnDevice],
+    ids=["stock", "per_parameter", "chunked_torch", "chunked_native", "chunked_on_device"],
+)
+def test_the_offloaded_step_is_adamw_in_fp64_terms(
+    cpu_streams, cls, pa, grads_fp32, islands, fraction
+):
+    """Every parameter, master weight and moment against AdamW written out in fp64 over the
+    gradients megatron-core's optimizer reads (natively fp32 parameters on the GPU
+    included; with islands, fp32 gradients bf16 cannot hold, their buffer slices 1000
+    times them): an oracle that shares nothing with the optimizer, megatron-core's
+    included (``stock``: the reference of the bit-for-bit tests, checked here too)."""
+    run = train(cls, pa, fraction, 3, chunk=40, compute=16, grads_fp32=grads_fp32, islands=islands)
+    if islands:
+        assert all(run[i].island for i in (0, 1))
+        if fraction > 0 and cls is not StockPlaced:
+            assert any(s.island for s in offload_internals.sources(run[2]))
+    assert_adamw_in_fp64_terms(run, fp64_run(pa, 3, grads_fp32, islands))
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
@@ -521,7 +573,7 @@ def test_attach_to_a_distributed_optimizer(cpu_streams, pa, dp, rank):
     assert type(hdo) is HostMirrorHybridOptimizer and hdo.host_mirrors
     # megatron-core's placement and CPU copies are kept, not made again
     assert list(hdo.gpu_params_map_cpu_copy.items()) == offloaded
-    sources = hdo._offload_sources
+    sources = offload_internals.sources(hdo)
     for source, buf, target in zip(sources, child.buffers, child._flat.targets, strict=True):
         assert source.owned == target.spans.owned
         assert source.param_data is buf.param_data
@@ -562,9 +614,9 @@ def test_attach_with_the_chunked_step_trains_as_the_per_parameter_one(cpu_stream
                 for dst, src in t.copies:
                     dst.copy_(src)
             hdo.step()
-        assert (hdo._chunked is not None) is chunked
+        assert (offload_internals.chunked(hdo) is not None) is chunked
         if chunked:
-            _, copies, _, _ = hdo._chunked
+            copies = offload_internals.chunked(hdo).copies
             assert len(copies) > sum(len(m.blocks) for m in hdo.host_mirrors)
         assert all(hdo.state[p] for p in hdo.gpu_params_map_cpu_copy)
         finals.append(([b.param_data.clone() for b in child.buffers], hdo))
@@ -656,10 +708,77 @@ def test_attach_ignores_optimizers_without_offload():
     assert offload.attach_host_mirrors(object()) is False
 
 
-def test_class_swap_keeps_the_instance_layout():
-    hdo = object.__new__(HybridDeviceOptimizer)
-    hdo.__class__ = HostMirrorHybridOptimizer  # single inheritance: allowed
-    assert isinstance(hdo, HybridDeviceOptimizer)
+# what attach_host_mirrors rebuilds (megatron-core's _init_sub_optimizers sets them): the
+# sub-optimizers, their streams and per-step maps, and the lookups derived from the placement
+REBUILT = {
+    "cpu_optimizers",
+    "gpu_optimizer",
+    "cpu_copy_map_grad",
+    "_d2h_stream",
+    "_h2d_stream",
+    "_cpu_optimizer_map_data_event",
+    "param_to_inner_param",
+    "inner_param_to_orig_param",
+    "fp32_param_to_orig_param",
+}
+
+
+def _bind_shard_grads(child):
+    """Each shard's gradient as ``.grad`` (an fp32 copy of its gradient-buffer slice), what
+    megatron-core's optimizer reads without the precision-aware option."""
+    pairs = (
+        (child.model_float16_groups[0], child.shard_fp32_from_float16_groups[0]),
+        (child.model_fp32_groups[0], child.shard_fp32_groups[0]),
+    )
+    for models, shards in pairs:
+        for model, shard in zip(models, shards, strict=True):
+            index = child.model_param_gbuf_map[model][0]
+            start = child.buffers[index].param_index_map[model][0]
+            r = child._get_model_param_range_map(model)["param"]
+            grad = child.buffers[index].grad_data[start + r.start : start + r.end]
+            shard.grad = grad.float().clone()
+
+
+def test_class_swap_keeps_the_instance_layout(cpu_streams):
+    """attach_host_mirrors swaps the class of megatron-core's live optimizer: every
+    attribute megatron-core set survives, the same objects but for what it rebuilds (its
+    sub-optimizers, over the same parameters and CPU copies), and the swapped optimizer
+    steps as the unswapped one does, bit for bit."""
+    runs = []
+    for swap in (False, True):
+        child = _distopt_shaped(False, 2, 1)
+        hdo = child.optimizer
+        before = dict(vars(hdo))
+        inner = list(hdo.param_to_inner_param.items())
+        subs = [[p for g in o.param_groups for p in g["params"]] for o in hdo.sub_optimizers]
+        if swap:
+            assert offload.attach_host_mirrors(child) is True
+            assert type(hdo) is HostMirrorHybridOptimizer and hdo.host_mirrors
+            after = vars(hdo)
+            assert before.keys() <= after.keys()
+            kept = [k for k in before if k not in REBUILT]
+            assert [k for k in kept if after[k] is not before[k]] == []
+            assert "param_groups" in kept and "gpu_params_map_cpu_copy" in kept
+            assert [(a, b) for a, b in hdo.param_to_inner_param.items()] == inner
+            now = [[p for g in o.param_groups for p in g["params"]] for o in hdo.sub_optimizers]
+            assert [len(x) for x in now] == [len(x) for x in subs]
+            assert all(
+                a is b for x, y in zip(now, subs, strict=True) for a, b in zip(x, y, strict=True)
+            )
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            for buf in child.buffers:
+                buf.grad_data.copy_(torch.randn(buf.grad_data.shape, generator=gen))
+            for t in child._flat.targets:
+                for dst, src in t.copies:
+                    dst.copy_(src)
+            _bind_shard_grads(child)
+            hdo.step()
+        shards = [*child.shard_fp32_from_float16_groups[0], *child.shard_fp32_groups[0]]
+        runs.append(([s.detach().clone() for s in shards], hdo))
+    (a, stock), (b, mine) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert_same_state(stock, mine)
 
 
 # ---------------------------------------------------------------------------------------
@@ -725,7 +844,7 @@ def test_sub_optimizer_state_goes_to_its_parameters_device():
 def test_chunked_step_reports_its_host_bytes_and_allocates_once(cpu_streams):
     ours = train(MirrorChunked, True, 1.0, 1, chunk=200, compute=64)
     hdo = ours[2]
-    steppers = hdo._chunked[0]
+    steppers = offload_internals.chunked(hdo).steppers
     stats = hdo.host_mirror_stats()
     ptrs = [(s.exp_avg.data_ptr(), s.exp_avg_sq.data_ptr(), s.scratch.data_ptr()) for s in steppers]
     for row, stepper in zip(stats, steppers, strict=True):
@@ -771,15 +890,16 @@ def test_chunked_mirrors_keep_no_host_copy_of_the_gradients(cpu_streams):
 
 def test_the_chunked_step_is_rebuilt_when_its_sizes_change(cpu_streams):
     bf16, fp32, hdo, _ = train(MirrorChunked, True, 1.0, 1, chunk=10**9, compute=10**9)
-    first = hdo._chunked
-    assert sum(len(c) for s in first[0] for c in s.subs) == len(first[1])  # one sub each
+    first = offload_internals.chunked(hdo)
+    assert sum(len(c) for s in first.steppers for c in s.subs) == len(first.copies)  # one each
     hdo.compute_numel = 64
     hdo.step()
-    assert hdo._chunked is not first
-    assert sum(len(c) for s in hdo._chunked[0] for c in s.subs) > len(hdo._chunked[1])
+    now = offload_internals.chunked(hdo)
+    assert now.steppers[0] is not first.steppers[0]
+    assert sum(len(c) for s in now.steppers for c in s.subs) > len(now.copies)
     hdo.chunk_numel = 200
     hdo.step()
-    assert len(hdo._chunked[1]) > len(first[1])
+    assert len(offload_internals.chunked(hdo).copies) > len(first.copies)
 
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
@@ -794,9 +914,9 @@ def test_checkpoints_move_between_the_chunked_and_per_parameter_steps(
 ):
     """Saved by one step kind, loaded into the other: megatron-core's format either way,
     and the run continues as an uninterrupted per-parameter one, bit for bit."""
-    plain = train(StockPlacedFp32Fixed, pa, fraction, 4)
+    plain = train(StockPlaced, pa, fraction, 4)
     switched = train_switching(first, second, pa, fraction, 4, switch_at=2)
-    assert (switched[2]._chunked is not None) == (second is MirrorChunked)
+    assert (offload_internals.chunked(switched[2]) is not None) == (second is MirrorChunked)
     assert_same_run(plain, switched)
 
 
@@ -825,14 +945,14 @@ def test_chunked_step_is_stock_bit_for_bit_at_any_chunk_size(
     """Chunks (copies) and their sub-ranges (convert, update, pack) of any size, the
     gradients and parameters converted on the host or on the device, the chunks updated by
     the compiled kernel (one pass) or by torch's ops; bf16 or fp32 gradient buffers."""
-    stock = train(StockPlacedFp32Fixed, pa, fraction, 3, grads_fp32=grads_fp32)
+    stock = train(StockPlaced, pa, fraction, 3, grads_fp32=grads_fp32)
     ours = train(cls, pa, fraction, 3, chunk=chunk, compute=compute, grads_fp32=grads_fp32)
-    assert ours[2]._chunked is not None, ours[2].chunked_step_off
+    assert offload_internals.chunked(ours[2]) is not None, ours[2].chunked_step_off
     native = cls.offload_kernel == "native"
-    for stepper in ours[2]._chunked[0]:
+    for stepper in offload_internals.chunked(ours[2]).steppers:
         assert stepper.uses_native is native
         assert stepper.native_updates == (len(stepper.chunks) if native else 0)
-    steppers, copies, _, _ = ours[2]._chunked
+    steppers, copies, _, _ = offload_internals.chunked(ours[2])
     subs = sum(len(c) for s in steppers for c in s.subs)
     assert (subs > len(copies)) == (compute < chunk)
     blocks = sum(len(m.blocks) for m in ours[2].host_mirrors)
@@ -850,7 +970,7 @@ def test_chunked_step_state_round_trip_keeps_the_trajectory(cpu_streams, fractio
     plain = train(MirrorChunked, True, fraction, 4)
     reloaded = train(MirrorChunked, True, fraction, 4, reload_at=2)
     assert_same_run(plain, reloaded)
-    for stepper in reloaded[2]._chunked[0]:
+    for stepper in offload_internals.chunked(reloaded[2]).steppers:
         for e in stepper.entries:
             st = e.optimizer.state[e.param]
             assert st["exp_avg"].untyped_storage().data_ptr() == (
@@ -868,7 +988,7 @@ def test_chunked_step_falls_back_where_the_cpu_adamw_is_not_fused(cpu_streams):
             super()._build_host_mirrors()
 
     ours = train(NotFused, True, 1.0, 2, chunk=7)
-    assert ours[2]._chunked is None
+    assert offload_internals.chunked(ours[2]) is None
     assert "not fused" in ours[2].chunked_step_off
     # built with the host gradients the fallback reads
     assert all(m.cpu_grads is not None for m in ours[2].host_mirrors)
@@ -907,7 +1027,7 @@ def test_chunked_step_order_and_one_call_per_chunk_and_hyperparameters(cpu_strea
 
     monkeypatch.setattr(torch, "_fused_adamw_", counting)
     ours = train(MirrorChunkedTorch, True, 1.0, 1, chunk=200, compute=64)
-    _, copies, _, _ = ours[2]._chunked
+    copies = offload_internals.chunked(ours[2]).copies
     ids = [id(c) for c in copies]
     n = len(ids)
     assert log[:n] == [("start_d2h", i) for i in ids]
@@ -917,7 +1037,7 @@ def test_chunked_step_order_and_one_call_per_chunk_and_hyperparameters(cpu_strea
     assert log[n:] == want
     # every sub-range (64 elements, chunks of 200): one call per weight-decay value in it
     expected = 0
-    for stepper in ours[2]._chunked[0]:
+    for stepper in offload_internals.chunked(ours[2]).steppers:
         for subs in stepper.subs:
             for _, pieces in subs:
                 wds = {
@@ -948,7 +1068,7 @@ def test_the_compiled_kernel_runs_once_per_chunk_with_every_family(cpu_streams, 
 
     monkeypatch.setattr(native.HostAdamW, "run", counting)
     ours = train(MirrorChunkedNative, True, 1.0, 1, chunk=200, compute=64)
-    chunks = sum(len(s.chunks) for s in ours[2]._chunked[0])
+    chunks = sum(len(s.chunks) for s in offload_internals.chunked(ours[2]).steppers)
     gpu_calls = 1 if ours[2].gpu_optimizer is not None else 0
     assert len(runs) == chunks and len(fused) == gpu_calls
     lrs_wds = {(h[i], h[i + 3]) for _, h, _ in runs for i in range(0, len(h), 5)}
@@ -979,12 +1099,12 @@ def test_the_compiled_kernel_never_packs_over_gradients_not_yet_read(
             real_run(self, (native.Task * 1)(tasks[i]), *args, **kwargs)
 
     monkeypatch.setattr(native.HostAdamW, "run", reversed_one_by_one)
-    stock = train(StockPlacedFp32Fixed, True, 1.0, 3, grads_fp32=True)
+    stock = train(StockPlaced, True, 1.0, 3, grads_fp32=True)
     ours = train(MirrorChunkedNative, True, 1.0, 3, chunk=chunk, grads_fp32=True)
     bf16_mirror = next(m for m in ours[2].host_mirrors if m.params_dtype == torch.bfloat16)
     assert bf16_mirror.grads_dtype == torch.float32  # packed into the gradients' bytes
     assert bf16_mirror.cpu_grads.data_ptr() == bf16_mirror.staging.data_ptr()
-    assert all(s.uses_native for s in ours[2]._chunked[0])
+    assert all(s.uses_native for s in offload_internals.chunked(ours[2]).steppers)
     if chunk >= 200:
         assert max(sizes) > 1  # calls of several tasks, whose order was reversed
     assert_same_run(stock, ours)
@@ -1002,10 +1122,10 @@ def test_a_chunk_no_rounds_can_order_takes_the_torch_path(cpu_streams, monkeypat
     monkeypatch.setattr(
         native.HostAdamW, "run", lambda self, *a, **k: calls.append(1) or real_run(self, *a, **k)
     )
-    stock = train(StockPlacedFp32Fixed, True, 1.0, 3, grads_fp32=True)
+    stock = train(StockPlaced, True, 1.0, 3, grads_fp32=True)
     ours = train(MirrorChunkedNative, True, 1.0, 3, chunk=200, grads_fp32=True)
     assert not calls
-    for stepper in ours[2]._chunked[0]:
+    for stepper in offload_internals.chunked(ours[2]).steppers:
         assert stepper.native_updates == 0 and stepper.updated > 0
     assert_same_run(stock, ours)
 

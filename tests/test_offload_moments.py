@@ -24,20 +24,15 @@ import torch
 from buffers.spans import Span
 from megatron_ext.offload.hybrid import offload_moment_dtypes
 from megatron_ext.offload.step import ChunkedAdamW, Entry, chunk_spans
+from tests.support import offload_internals
 from tests.support.offload_sim import (
     MirrorChunked,
-    recording_streams,
     train,
     train_switching,
 )
 
 BF16 = torch.bfloat16
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
-
-
-@pytest.fixture
-def cpu_streams(monkeypatch):
-    return recording_streams(monkeypatch)
 
 
 def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -178,6 +173,6 @@ def test_attach_keeps_the_moments_megatron_cores_config_asks_for(cpu_streams):
         for dst, src in t.copies:
             dst.copy_(src)
     hdo.step()
-    assert hdo._chunked is not None
+    assert offload_internals.chunked(hdo) is not None
     cpu = [hdo.state[p] for p in hdo.gpu_params_map_cpu_copy]
     assert cpu and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == BF16 for s in cpu)
