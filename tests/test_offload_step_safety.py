@@ -127,6 +127,11 @@ def test_a_step_failing_part_way_refuses_to_continue_until_a_load(cpu_streams, m
     # every one complete
     assert any(op.what.startswith("h2d") for op in log.copies[before:])
     assert all(log.known_done(op) for op in log.copies)
+    # and later device work (the next forward pass) is ordered after the copies back this
+    # step issued, as at the end of a step that returns
+    back = [op for op in log.copies[before:] if op.what.startswith("h2d")]
+    assert all(log.compute.precedes(op) for op in back)
+    log.step_ends()
     failing.restore()
     with pytest.raises(RuntimeError, match="failed part way .*load the last checkpoint"):
         one_step(bf16, fp32, bind, hdo, 1, gen)
