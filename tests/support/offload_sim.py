@@ -296,12 +296,21 @@ def on_the_device(groups) -> _OnTheDevice:
     return _OnTheDevice([p for g in groups for p in g["params"]])
 
 
+# megatron-core's own placement, as imported (a test may replace the method with placement)
+_MEGATRON_PLACEMENT = HybridDeviceOptimizer.__dict__["_get_sub_optimizer_param_groups"]
+if _MEGATRON_PLACEMENT.__module__ != HybridDeviceOptimizer.__module__:
+    raise RuntimeError(
+        "tests.support.offload_sim was first imported with HybridDeviceOptimizer's placement "
+        "replaced; import it before replacing the method"
+    )
+
+
 def placement(groups, fraction, param_update_in_fp32=True):
     """megatron-core's own ``_get_sub_optimizer_param_groups`` over ``groups``, every
     parameter on the "device" (:func:`on_the_device`)."""
     hdo = types.SimpleNamespace(param_groups=groups, param_update_in_fp32=param_update_in_fp32)
     with on_the_device(groups):
-        return HybridDeviceOptimizer._get_sub_optimizer_param_groups(hdo, fraction)
+        return _MEGATRON_PLACEMENT(hdo, fraction)
 
 
 class StockPlaced(HybridDeviceOptimizer):
