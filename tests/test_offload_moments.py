@@ -211,9 +211,9 @@ def test_a_chunked_step_that_falls_back_says_the_moments_stay_fp32(cpu_streams):
 
 def test_attach_keeps_the_moments_megatron_cores_config_asks_for(cpu_streams):
     from megatron_ext import offload
-    from tests.test_offload import _distopt_shaped
+    from tests.support.offload_sim import distopt_shaped
 
-    child = _distopt_shaped(True, 2, 1)
+    child = distopt_shaped(True, 2, 1)
     child.config.use_precision_aware_optimizer = True
     child.config.exp_avg_dtype = child.config.exp_avg_sq_dtype = BF16
     assert offload.attach_host_mirrors(child, chunked_step=True, chunk_numel=64)

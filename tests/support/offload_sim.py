@@ -20,6 +20,7 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from torch.overrides import TorchFunctionMode
 
 from buffers.spans import Span, dp_shard_spans, intersect_spans, merge_spans, to_local
+from megatron_ext.layout import buffer_layout
 from megatron_ext.offload import HostMirrorHybridOptimizer, OffloadSource
 from megatron_ext.offload.host_mirror import HostBlock
 from megatron_ext.offload.step import ChunkedAdamW
@@ -389,6 +390,66 @@ def make_hdo(cls, groups, fraction, overlap, sources=None, chunk=None, compute=N
         eps=EPS, fused=True,
     )  # fmt: skip
     return hdo
+
+
+def distopt_shaped(pa, dp, rank):
+    """A DistributedOptimizer's attributes that attach_host_mirrors reads, over _Buffers,
+    with its flat targets built by megatron_ext.targets and a megatron-core
+    HybridDeviceOptimizer (placed as above) inside: the glue, on the CPU."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_ext.targets import FlatOptimizerState, buffer_target
+
+    group = SimpleNamespace(size=lambda: dp, rank=lambda: rank)
+    child = DistributedOptimizer.__new__(DistributedOptimizer)
+    child.config = SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=pa)
+    child.is_stub_optimizer = False
+    child.buffers, targets, ranges = [], [], {}
+    child.model_param_gbuf_map = {}
+    models, shards = {}, {}
+    for index, (shapes, dtype) in enumerate(
+        ((SHAPES, torch.bfloat16), (FP32_SHAPES, torch.float32))
+    ):
+        b = SimBuffer(shapes, dtype, dtype, dp, rank)
+        index_map = {}
+        for name, span in b.spans.items():
+            model = b.param_data[span.start : span.end].view(shapes[name])
+            index_map[model] = (span.start, span.end, 0)
+            child.model_param_gbuf_map[model] = (index, (dtype, dtype), 0)
+            piece = b.shards.get(name)
+            if piece is None:
+                continue
+            ranges[model] = {
+                "param": SimpleNamespace(start=piece.start - span.start, end=piece.end - span.start)
+            }
+            shard = b.param_data[piece.start : piece.end]
+            if dtype == torch.bfloat16 and not pa:
+                shard = shard.float()  # an fp32 main shard
+            models[model], shards[model] = dtype, shard
+        buf = SimpleNamespace(
+            param_index_map=index_map, grad_data=b.grad_data, param_data=b.param_data,
+            numel=b.grad_data.numel(), bucket_indices=[(0, b.grad_data.numel())],
+            data_parallel_group=group, grad_dtype=dtype, param_dtype=dtype,
+        )  # fmt: skip
+        needs_mirror = not pa and dtype != torch.float32
+        layout = buffer_layout(buf, {m: n for m, n in zip(index_map, b.spans, strict=True)})
+        targets.append(
+            buffer_target(buf, layout, layout.records, sharded=True, needs_mirror=needs_mirror)
+        )
+        child.buffers.append(buf)
+    child._get_model_param_range_map = ranges.__getitem__
+    child._flat = FlatOptimizerState(targets, None)
+    halves = [[m for m in models if models[m] == dt] for dt in (torch.bfloat16, torch.float32)]
+    child.model_float16_groups, child.model_fp32_groups = [halves[0]], [halves[1]]
+    shard16 = [[shards[m] for m in halves[0]]]
+    child.shard_float16_groups = shard16 if pa else [[None] * len(halves[0])]
+    child.shard_fp32_from_float16_groups = [[None] * len(halves[0])] if pa else shard16
+    child.shard_fp32_groups = [[shards[m] for m in halves[1]]]
+    groups = [{"params": [*child.shard_fp32_groups[0], *shard16[0]], "weight_decay": 0.0}]
+    child.optimizer = make_hdo(StockPlaced, groups, 0.5, False)
+    return child
 
 
 def assert_same_state(stock, mine):
