@@ -27,7 +27,9 @@ def test_attach_to_a_distributed_optimizer(cpu_streams, pa, dp, rank):
     # megatron-core's placement and CPU copies are kept, not made again
     assert list(hdo.gpu_params_map_cpu_copy.items()) == offloaded
     sources = offload_internals.sources(hdo)
-    for source, buf, target in zip(sources, child.buffers, child._flat.targets, strict=True):
+    for source, buf, target in zip(
+        sources, child.buffers, offload_internals.flat_targets(child), strict=True
+    ):
         assert source.owned == target.spans.owned
         assert source.param_data is buf.param_data
         if target.mirror is not None:  # fp32 main grads of bf16 params: the fp32 mirror
@@ -42,7 +44,7 @@ def test_attach_to_a_distributed_optimizer(cpu_streams, pa, dp, rank):
         assert cpu.untyped_storage().data_ptr() in hosts
     for buf in child.buffers:
         buf.grad_data.normal_()
-    for t in child._flat.targets:
+    for t in offload_internals.flat_targets(child):
         for dst, src in t.copies:
             dst.copy_(src)
     hdo.step()  # gradients straight from the buffers (or the fp32 mirror), no .grad needed
@@ -63,7 +65,7 @@ def test_attach_with_the_chunked_step_trains_as_the_per_parameter_one(cpu_stream
         for _ in range(3):
             for buf in child.buffers:
                 buf.grad_data.copy_(torch.randn(buf.grad_data.shape, generator=gen))
-            for t in child._flat.targets:
+            for t in offload_internals.flat_targets(child):
                 for dst, src in t.copies:
                     dst.copy_(src)
             hdo.step()
@@ -105,7 +107,7 @@ def test_threads_are_set_for_the_step_and_restored(cpu_streams, monkeypatch):
         offload.attach_host_mirrors(child, threads=other)
     for buf in child.buffers:
         buf.grad_data.normal_()
-    for t in child._flat.targets:
+    for t in offload_internals.flat_targets(child):
         for dst, src in t.copies:
             dst.copy_(src)
     child.optimizer.step()
@@ -222,7 +224,7 @@ def test_class_swap_keeps_the_instance_layout(cpu_streams):
         for _ in range(3):
             for buf in child.buffers:
                 buf.grad_data.copy_(torch.randn(buf.grad_data.shape, generator=gen))
-            for t in child._flat.targets:
+            for t in offload_internals.flat_targets(child):
                 for dst, src in t.copies:
                     dst.copy_(src)
             _bind_shard_grads(child)

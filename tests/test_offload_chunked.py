@@ -126,14 +126,7 @@ def test_chunked_step_is_stock_bit_for_bit_at_any_chunk_size(
 
 
 def test_chunked_step_falls_back_where_the_cpu_adamw_is_not_fused(cpu_streams):
-    class NotFused(MirrorChunked):
-        def _build_host_mirrors(self):
-            for opt in self.cpu_optimizers:
-                for g in opt.param_groups:
-                    g["fused"] = None
-            super()._build_host_mirrors()
-
-    ours = train(NotFused, True, 1.0, 2, chunk=7)
+    ours = train(offload_internals.cpu_adamw_not_fused(MirrorChunked), True, 1.0, 2, chunk=7)
     assert offload_internals.chunked(ours[2]) is None
     assert "not fused" in ours[2].chunked_step_off
     # built with the host gradients the fallback reads

@@ -197,15 +197,9 @@ def test_the_moment_dtypes_come_from_megatron_cores_config():
 
 
 def test_a_chunked_step_that_falls_back_says_the_moments_stay_fp32(cpu_streams):
-    class NotFused(_Bf16Moments):
-        def _build_host_mirrors(self):
-            for opt in self.cpu_optimizers:
-                for g in opt.param_groups:
-                    g["fused"] = None
-            super()._build_host_mirrors()
-
+    not_fused = offload_internals.cpu_adamw_not_fused(_Bf16Moments)
     with pytest.warns(UserWarning, match="not fused.*moments in fp32"):
-        hdo = train(NotFused, True, 1.0, 2, chunk=200, compute=64)[2]
+        hdo = train(not_fused, True, 1.0, 2, chunk=200, compute=64)[2]
     assert all(s["exp_avg"].dtype == torch.float32 for s in hdo.state.values())
 
 
@@ -220,7 +214,7 @@ def test_attach_keeps_the_moments_megatron_cores_config_asks_for(cpu_streams):
     hdo = child.optimizer
     for buf in child.buffers:
         buf.grad_data.normal_(generator=torch.Generator().manual_seed(2))
-    for t in child._flat.targets:
+    for t in offload_internals.flat_targets(child):
         for dst, src in t.copies:
             dst.copy_(src)
     hdo.step()

@@ -170,8 +170,11 @@ def test_the_step_reuses_its_views_and_bindings(cpu_streams, monkeypatch, kernel
     gen = torch.Generator().manual_seed(11)
     one_step(bf16, fp32, bind, hdo, 0, gen)
     steppers = offload_internals.chunked(hdo).steppers
-    kept = "_plans" if kernel == "torch" else "_native_plans"
-    plans = [{c: plan for c, (_, plan) in getattr(s, kept).items()} for s in steppers]
+
+    def kept(s):
+        return offload_internals.chunk_plans(s, kernel)
+
+    plans = [{c: plan for c, (_, plan) in kept(s).items()} for s in steppers]
     assert all(plans)
     copies = []
     real_copy = torch.Tensor.copy_
@@ -187,5 +190,5 @@ def test_the_step_reuses_its_views_and_bindings(cpu_streams, monkeypatch, kernel
     assert copies == []  # still bound: nothing copied in
     one_step(bf16, fp32, bind, hdo, 1, gen)
     for s, before in zip(steppers, plans, strict=True):
-        assert all(getattr(s, kept)[c][1] is plan for c, plan in before.items())
-        assert len(getattr(s, kept)) == len(s.chunks)
+        assert all(kept(s)[c][1] is plan for c, plan in before.items())
+        assert len(kept(s)) == len(s.chunks)

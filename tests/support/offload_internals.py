@@ -1,10 +1,12 @@
-"""The one place the offload tests read or set what ``HostMirrorHybridOptimizer`` keeps to
-itself (test support).
+"""The one place the offload tests read or set what ``HostMirrorHybridOptimizer``,
+``ChunkedAdamW`` and the flat state of a distributed optimizer keep to themselves (test
+support).
 
 Every test goes through the optimizer's step, ``state``, ``state_dict`` and its documented
-attributes where it can; what it cannot see there (the chunked step's parts, why the step
-refuses to run, the sources a simulation hands over) is read here, so that a change of the
-optimizer's internals is one change of this file.
+attributes where it can; what it cannot see there (the chunked step's parts and plans, why
+the step refuses to run, the sources and flat state a simulation hands over, the point
+between building the sub-optimizers and the host mirrors) is reached here, so that a change
+of those internals is one change of this file.
 """
 
 from __future__ import annotations
@@ -48,3 +50,35 @@ def set_sources(hdo: HostMirrorHybridOptimizer, given: tuple[OffloadSource, ...]
     """Hand ``given`` to an optimizer made with ``__new__``, before megatron-core's
     ``__init__`` builds its sub-optimizers (and with them the host mirrors)."""
     hdo._offload_sources = given
+
+
+def cpu_adamw_not_fused(cls: type[HostMirrorHybridOptimizer]) -> type[HostMirrorHybridOptimizer]:
+    """A subclass of ``cls`` whose per-parameter CPU AdamWs are not fused (set once the
+    sub-optimizers exist, before the host mirrors are built from them)."""
+
+    class NotFused(cls):
+        def _build_host_mirrors(self):
+            for opt in self.cpu_optimizers:
+                for g in opt.param_groups:
+                    g["fused"] = None
+            super()._build_host_mirrors()
+
+    return NotFused
+
+
+def chunk_plans(stepper: ChunkedAdamW, kernel: str) -> dict[int, tuple]:
+    """What ``stepper`` built for each chunk it has updated, by chunk: (copies, the views of
+    its sub-ranges) with ``kernel`` "torch", (copies, the compiled kernel's tasks) with
+    "native"."""
+    return stepper._plans if kernel == "torch" else stepper._native_plans
+
+
+def flat_targets(child) -> list:
+    """The flat-buffer targets (``megatron_ext.targets``) of a distributed optimizer, which
+    ``attach_host_mirrors`` builds its sources from."""
+    return child._flat.targets
+
+
+def set_flat_state(child, state) -> None:
+    """Give a distributed-optimizer stand-in the flat state ``enable_flat_norm`` would."""
+    child._flat = state

@@ -440,7 +440,7 @@ def distopt_shaped(pa, dp, rank):
         )
         child.buffers.append(buf)
     child._get_model_param_range_map = ranges.__getitem__
-    child._flat = FlatOptimizerState(targets, None)
+    offload_internals.set_flat_state(child, FlatOptimizerState(targets, None))
     halves = [[m for m in models if models[m] == dt] for dt in (torch.bfloat16, torch.float32)]
     child.model_float16_groups, child.model_fp32_groups = [halves[0]], [halves[1]]
     shard16 = [[shards[m] for m in halves[0]]]
