@@ -185,9 +185,10 @@ def loss_curves(args) -> dict:
     offload = PA | dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
     data = batches(args, args.loss_batches)
     for name, delayed in (("exact", False), ("delayed", True)):
-        model, opt = build(
-            args, offload, dict(offload_step="chunked", offload_delayed_update=delayed)
-        )
+        options = dict(offload_step="chunked", offload_delayed_update=delayed)
+        if delayed:
+            options["offload_delay_warmup"] = args.delay_warmup
+        model, opt = build(args, offload, options)
         losses = []
         for step in range(args.loss_steps):
             losses.append(train_step(model, opt, [data[step % len(data)]]))
@@ -220,6 +221,7 @@ def parse_args(argv: list[str] | None):
         ("--warmup", 3, "untimed training steps first (the delayed update's warm-up among them)"),
         ("--loss-steps", 0, "steps of each loss curve (0: none; 200 or more to compare)"),
         ("--loss-batches", 16, "fixed micro-batches the loss curves cycle through"),
+        ("--delay-warmup", 10, "exact steps before the delayed loss curve's delay starts"),
     ):
         ap.add_argument(name, type=int, default=default, help=f"{meaning} (default: %(default)s)")
     ap.add_argument(
@@ -322,7 +324,10 @@ def _plot(result: dict, args, title: str) -> None:
             bx.plot(values, label=name)
         bx.set_xlabel("step")
         bx.set_ylabel("loss")
-        bx.set_title(f"offload 1.0: last {loss['last_steps']} mean {loss['last_relative']:+.2%}")
+        bx.set_title(
+            f"offload 1.0, lr {args.lr:g}, delay after {args.delay_warmup} steps: last "
+            f"{loss['last_steps']} mean {loss['last_relative']:+.2%}"
+        )
         bx.legend()
     else:
         empty_panel(bx, "no loss curves (--loss-steps 0)")

@@ -31,3 +31,13 @@ def fresh_native(monkeypatch, tmp_path):
     monkeypatch.setenv("BUFFERS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("BUFFERS_CPU_KERNEL", raising=False)
     return tmp_path / "cache"
+
+
+@pytest.fixture
+def cpu_streams(monkeypatch):
+    """torch.cuda's streams and events replaced by recording stand-ins and every host-mirror
+    copy of the offload code checked against them
+    (:func:`tests.support.offload_sim.recording_streams`); the log."""
+    from tests.support.offload_sim import recording_streams
+
+    return recording_streams(monkeypatch)

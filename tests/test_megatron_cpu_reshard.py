@@ -59,8 +59,8 @@ FORMATS = ("fully_reshardable", "dp_reshardable")
 def path_options(path: str) -> dict:
     """``build``'s arguments for an Adam path of ``LOADS``: ``+experts`` (``w2`` an expert
     weight); ``+offload<f>`` (megatron-core's CPU offload at fraction f with the
-    precision-aware optimizer, through host mirrors); ``+chunked`` (the chunked offload
-    step)."""
+    precision-aware optimizer, through host mirrors, megatron-core's per-parameter step);
+    ``+chunked`` (the chunked offload step, the default elsewhere)."""
     import megatron_ext
 
     out: dict = {"experts": "+experts" in path}
@@ -71,8 +71,9 @@ def path_options(path: str) -> dict:
                 optimizer_offload_fraction=float(part.removeprefix("offload")),
                 use_precision_aware_optimizer=True,
             )
-    if "+chunked" in path:
-        out["options"] = megatron_ext.MegatronOptions(offload_step="chunked")
+    if "+offload" in path:  # the per-parameter step unless the path says chunked
+        step = "chunked" if "+chunked" in path else "per_parameter"
+        out["options"] = megatron_ext.MegatronOptions(offload_step=step)
     return out
 
 

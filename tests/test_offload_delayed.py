@@ -24,17 +24,11 @@ from tests.support.offload_sim import (
     SHAPES,
     MirrorChunked,
     make_hdo,
-    recording_streams,
     sim,
 )
 
 BF16, FP32 = torch.bfloat16, torch.float32
 BETAS, EPS = (0.9, 0.95), 1e-8
-
-
-@pytest.fixture
-def cpu_streams(monkeypatch):
-    return recording_streams(monkeypatch)
 
 
 class MirrorDelayed(MirrorChunked):
@@ -58,9 +52,7 @@ class Model:
         self.bf16, self.fp32, self.bind, self.shard16 = bf16, fp32, bind, shard16
         self.hdo = make_hdo(cls, groups, fraction, True, sources, chunk=chunk)
         base = fp32.param_data.data_ptr()
-        shard32 = {
-            p.data_ptr() - base: p for g in groups for p in g["params"] if p.dtype == FP32
-        }
+        shard32 = {p.data_ptr() - base: p for g in groups for p in g["params"] if p.dtype == FP32}
         self.inner = {n: shard16[n] for n in bf16.shards}
         for n, s in fp32.shards.items():
             self.inner[n] = shard32[s.start * 4]
@@ -241,8 +233,9 @@ def test_state_dict_drains_and_a_resumed_run_continues_bit_for_bit(cpu_streams, 
 def _grads_of(model: Model, gen: torch.Generator) -> dict[str, torch.Tensor]:
     dtypes = grad_dtypes(model)
     return {
-        n: (0.3 * model.device(n).float() + torch.randn(model.device(n).numel(), generator=gen))
-        .to(dtypes[n])
+        n: (0.3 * model.device(n).float() + torch.randn(model.device(n).numel(), generator=gen)).to(
+            dtypes[n]
+        )
         for n in model.inner
     }
 

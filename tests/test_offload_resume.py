@@ -26,18 +26,12 @@ from tests.support.offload_sim import (
     MirrorChunkedTorch,
     MirrorPlaced,
     MirrorPlacedOnDevice,
-    StockPlacedFp32Fixed,
+    StockPlaced,
     assert_same_state,
     make_hdo,
     one_step,
-    recording_streams,
     sim,
 )
-
-
-@pytest.fixture
-def cpu_streams(monkeypatch):
-    return recording_streams(monkeypatch)
 
 
 class GroupStepAdam(torch.optim.Optimizer):
@@ -71,10 +65,11 @@ class GroupStepAdam(torch.optim.Optimizer):
                 p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
 
 
-class StockKeyErrorFixed(StockPlacedFp32Fixed):
-    """megatron-core's per-parameter path with the two fixes that let it train and load
-    natively fp32 parameters at all (their gradients bound on the GPU; their master
-    weights reloaded, where megatron-core raises KeyError); its param-group sync as is."""
+class StockKeyErrorFixed(StockPlaced):
+    """megatron-core's per-parameter path with what lets it train and load natively fp32
+    parameters at all (their gradients given as ``.grad``, ``sim``'s ``torch_grads``; their
+    master weights reloaded, where megatron-core raises KeyError); its param-group sync as
+    is."""
 
     def _update_fp32_params_by_new_state(self):
         for param, state in self.state.items():
@@ -126,8 +121,11 @@ def _run(classes, gpu_cls, fraction, monkeypatch, save_at=None):
     for step in range(STEPS):
         if step == 0 or step == save_at:
             cls = classes[0] if step == 0 else classes[1]
-            bf16, fp32, groups, sources, bind, shard16 = sim(True, False, False, 2, 1)
-            mirrors = None if issubclass(cls, StockPlacedFp32Fixed) else sources
+            stock = issubclass(cls, StockPlaced)
+            bf16, fp32, groups, sources, bind, shard16 = sim(
+                True, False, False, 2, 1, torch_grads=stock
+            )
+            mirrors = None if stock else sources
             hdo = make_hdo(cls, groups, fraction, True, mirrors, 200, 64, gpu_cls=gpu_cls)
             if run is not None:  # the model's parameters, then the optimizer's checkpoint
                 saved = _save(run[2], monkeypatch)

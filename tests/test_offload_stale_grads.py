@@ -31,7 +31,7 @@ import torch
 from tests.support.offload_sim import (
     MirrorChunked,
     MirrorPlaced,
-    StockPlacedFp32Fixed,
+    StockPlaced,
     make_hdo,
     recording_streams,
     sim,
@@ -82,8 +82,9 @@ def run(cls, pa, fraction, none_when_inactive=False, reference="zero"):
     torch skips a None ``.grad`` (``skip``), or step it with its previous gradient
     (``stale``: the upstream bug).
     """
-    bf16, fp32, groups, sources, bind, _ = sim(pa, False, False, 2, 1)
-    stock = issubclass(cls, StockPlacedFp32Fixed)
+    stock = issubclass(cls, StockPlaced)
+    # stock: natively fp32 gradients bound as .grad where megatron-core binds none
+    bf16, fp32, groups, sources, bind, _ = sim(pa, False, False, 2, 1, torch_grads=stock)
     chunk = 40 if cls is MirrorChunked else None
     hdo = make_hdo(cls, groups, fraction, True, None if stock else sources, chunk)
     where = {
@@ -176,7 +177,7 @@ def test_a_none_gradient_never_brings_back_an_earlier_one(cpu_streams, cls, pa, 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_stock_with_zero_main_grads_matches_the_reference(cpu_streams, fraction):
     # the megatron-core path as it is: an inactive parameter's gradient is a zero, not None
-    params, names, ref = run(StockPlacedFp32Fixed, False, fraction)
+    params, names, ref = run(StockPlaced, False, fraction)
     assert mismatches(params, names, ref) == set()
 
 
@@ -186,5 +187,5 @@ def test_stock_re_applies_an_earlier_gradient_when_one_is_none(cpu_streams, pa, 
     # What the upstream PRs fix, shown on stock megatron-core: an offloaded parameter whose
     # .grad is None is stepped with the previous step's gradient, still in the host copy
     # megatron-core keeps (at 0.5 the router stays on the device and is skipped instead).
-    off = mismatches(*run(StockPlacedFp32Fixed, pa, fraction, True, "stale"))
+    off = mismatches(*run(StockPlaced, pa, fraction, True, "stale"))
     assert off == (set() if fraction == 1.0 else {"router"})

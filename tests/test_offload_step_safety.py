@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_ext.offload import native
+from tests.support import offload_internals
 from tests.support.offload_sim import (
     MirrorChunked,
     MirrorChunkedNative,
@@ -16,16 +17,9 @@ from tests.support.offload_sim import (
     assert_same_run,
     make_hdo,
     one_step,
-    recording_streams,
     sim,
     train,
 )
-
-
-@pytest.fixture
-def cpu_streams(monkeypatch):
-    return recording_streams(monkeypatch)
-
 
 KERNELS = {"torch": MirrorChunkedTorch, "native": MirrorChunkedNative}
 
@@ -100,7 +94,7 @@ def test_a_step_failing_at_its_first_update_leaves_everything_as_before(
     with pytest.raises(RuntimeError, match="injected failure"):
         one_step(bf16, fp32, bind, hdo, 2, gen)
     _assert_snapshot_equal(before, _snapshot(run))
-    assert hdo._torn is None
+    assert offload_internals.torn(hdo) is None
     # nothing in flight: the host has seen every copy to it complete, and the compute
     # stream is ordered after every copy back that was issued
     log = cpu_streams
@@ -133,6 +127,11 @@ def test_a_step_failing_part_way_refuses_to_continue_until_a_load(cpu_streams, m
     # every one complete
     assert any(op.what.startswith("h2d") for op in log.copies[before:])
     assert all(log.known_done(op) for op in log.copies)
+    # and later device work (the next forward pass) is ordered after the copies back this
+    # step issued, as at the end of a step that returns
+    back = [op for op in log.copies[before:] if op.what.startswith("h2d")]
+    assert all(log.compute.precedes(op) for op in back)
+    log.step_ends()
     failing.restore()
     with pytest.raises(RuntimeError, match="failed part way .*load the last checkpoint"):
         one_step(bf16, fp32, bind, hdo, 1, gen)
@@ -170,9 +169,12 @@ def test_the_step_reuses_its_views_and_bindings(cpu_streams, monkeypatch, kernel
     bf16, fp32, hdo, _, bind = _fresh(kernel=kernel)
     gen = torch.Generator().manual_seed(11)
     one_step(bf16, fp32, bind, hdo, 0, gen)
-    steppers = hdo._chunked[0]
-    kept = "_plans" if kernel == "torch" else "_native_plans"
-    plans = [{c: plan for c, (_, plan) in getattr(s, kept).items()} for s in steppers]
+    steppers = offload_internals.chunked(hdo).steppers
+
+    def kept(s):
+        return offload_internals.chunk_plans(s, kernel)
+
+    plans = [{c: plan for c, (_, plan) in kept(s).items()} for s in steppers]
     assert all(plans)
     copies = []
     real_copy = torch.Tensor.copy_
@@ -188,5 +190,5 @@ def test_the_step_reuses_its_views_and_bindings(cpu_streams, monkeypatch, kernel
     assert copies == []  # still bound: nothing copied in
     one_step(bf16, fp32, bind, hdo, 1, gen)
     for s, before in zip(steppers, plans, strict=True):
-        assert all(getattr(s, kept)[c][1] is plan for c, plan in before.items())
-        assert len(getattr(s, kept)) == len(s.chunks)
+        assert all(kept(s)[c][1] is plan for c, plan in before.items())
+        assert len(kept(s)) == len(s.chunks)

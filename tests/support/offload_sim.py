@@ -1,21 +1,30 @@
 """A CPU simulation of the distributed optimizer's shard parameters under megatron-core's
 ``HybridDeviceOptimizer``: two flat buffers (bf16 weights, natively fp32 parameters), their
-shard parameters and gradient bindings as megatron-core makes them, placed by its greedy
-rule, stock or with host mirrors (the per-parameter or the chunked step), trained with
-fresh gradients and an lr schedule. Streams and events are the recording stand-ins of
-:mod:`tests.support.streams`, and every host-mirror copy is checked against them.
+shard parameters and gradient bindings as megatron-core makes them (optionally with fp32
+local-accumulation islands), placed by megatron-core's own greedy rule, stock or with host
+mirrors (the per-parameter or the chunked step), trained with fresh gradients and an lr
+schedule. Streams and events are the recording stand-ins of :mod:`tests.support.streams`,
+and every host-mirror copy is checked against them.
+
+Two references, neither built from the code under test: megatron-core's optimizer with
+nothing of ours (:class:`StockPlaced`, fed its gradients where its torch optimizers read
+them), and AdamW written out in fp64 per parameter (:class:`Fp64AdamW`).
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+from torch.overrides import TorchFunctionMode
 
 from buffers.spans import Span, dp_shard_spans, intersect_spans, merge_spans, to_local
+from megatron_ext.layout import buffer_layout
 from megatron_ext.offload import HostMirrorHybridOptimizer, OffloadSource
 from megatron_ext.offload.host_mirror import HostBlock
 from megatron_ext.offload.step import ChunkedAdamW
-from tests.support import streams
+from tests.support import offload_internals, streams
 
 
 def S(a, b):
@@ -103,6 +112,14 @@ def recording_streams(monkeypatch) -> streams.Log:
 ALIGN = 64
 SHAPES = {"w1": (24, 16), "b1": (24,), "w2": (16, 24), "b2": (16,), "ln": (16,)}
 FP32_SHAPES = {"sink": (16,), "router": (4, 16)}
+# parameters whose gradient the optimizer reads in an fp32 island (with ``islands=True``):
+# at DP=2 rank 1 (train's), a piece of w2, ln and router: both buffers, both weight-decay
+# groups
+ISLAND_NAMES = ("w2", "ln", "router")
+# The buffer slice of an island parameter holds its gradient times this (a loss scale that
+# is not a power of two); the island holds the unscaled fp32 value, which bf16 cannot hold.
+ISLAND_SCALE = 1000.0
+BETAS, EPS = (0.9, 0.95), 1e-8
 
 
 class SimBuffer:
@@ -127,14 +144,52 @@ class SimBuffer:
             for name, s in self.spans.items()
             for piece in intersect_spans([s], self.owned)
         }
+        self.island: dict[str, torch.Tensor] = {}  # name: fp32 gradient of its shard
+        self.shard_params: dict[str, torch.Tensor] = {}  # name: the optimizer's parameter
+
+    def carve_island(self, names) -> None:
+        """One fp32 island holding the shard gradients of ``names`` (those this rank owns)."""
+        mine = [n for n in names if n in self.shards]
+        flat = torch.zeros(sum(self.shards[n].numel for n in mine))
+        at = 0
+        for n in mine:
+            self.island[n] = flat[at : at + self.shards[n].numel]
+            at += self.shards[n].numel
+
+    def fill_islands(self) -> None:
+        """Each island gradient: its buffer slice unscaled (fp32 values bf16 cannot hold)."""
+        for n, view in self.island.items():
+            s = self.shards[n]
+            view.copy_(self.grad_data[s.start : s.end].double() / ISLAND_SCALE)
+
+    def optimizer_grad(self, name: str) -> torch.Tensor:
+        """The gradient megatron-core's optimizer reads for shard ``name``: its island
+        view, else its slice of the gradient buffer."""
+        if name in self.island:
+            return self.island[name]
+        s = self.shards[name]
+        return self.grad_data[s.start : s.end]
 
 
-def sim(pa, fp32_first, grads_fp32, dp, rank):
-    """Two buffers, shard parameters and their gradient bindings, as megatron-core has them."""
+def sim(pa, fp32_first, grads_fp32, dp, rank, *, torch_grads=False, islands=False):
+    """Two buffers, shard parameters and their gradient bindings, as megatron-core has them.
+
+    Args:
+        torch_grads: natively fp32 shards also get their precision-aware gradient as
+            ``.grad``, where a torch optimizer reads it (megatron-core binds none: its GPU
+            optimizer skips them; the reference run is given them this way).
+        islands: the shards of :data:`ISLAND_NAMES` read their gradients in fp32 islands
+            (precision-aware only, as megatron-core has them without an fp32 mirror).
+    """
     bf16 = SimBuffer(
         SHAPES, torch.bfloat16, torch.float32 if grads_fp32 else torch.bfloat16, dp, rank
     )
     fp32 = SimBuffer(FP32_SHAPES, torch.float32, torch.float32, dp, rank)
+    if islands:
+        if not pa:
+            raise ValueError("islands=True simulates the precision-aware optimizer (pa=True)")
+        for buf in (bf16, fp32):
+            buf.carve_island(ISLAND_NAMES)
     mirror = None
     if pa:
         shard16 = {n: bf16.param_data[s.start : s.end] for n, s in bf16.shards.items()}
@@ -143,6 +198,7 @@ def sim(pa, fp32_first, grads_fp32, dp, rank):
         shard16 = {n: bf16.param_data[s.start : s.end].float() for n, s in bf16.shards.items()}
         mirror = torch.zeros(sum(o.numel for o in bf16.owned))
     shard32 = {n: fp32.param_data[s.start : s.end] for n, s in fp32.shards.items()}
+    bf16.shard_params, fp32.shard_params = shard16, shard32
     # megatron-core's groups: weight decay for 2-D params only; fp32 shards first in each
     # (the other order gives the greedy placement at fraction 0.5 other parameters)
     first, second = (shard32, shard16) if fp32_first else (shard16, shard32)
@@ -165,15 +221,19 @@ def sim(pa, fp32_first, grads_fp32, dp, rank):
                 "is_decoupled_lr": False,
             }
         )
+
+    def island_of(buf):
+        return tuple((buf.shards[n], view) for n, view in buf.island.items())
+
     sources = (
         OffloadSource(
             "bf16", bf16.owned, mirror if mirror is not None else bf16.grad_data,
             bf16.owned if mirror is not None else None, bf16.param_data,
-            {shard16[n]: bf16.shards[n] for n in shard16},
+            {shard16[n]: bf16.shards[n] for n in shard16}, island_of(bf16),
         ),
         OffloadSource(
             "fp32", fp32.owned, fp32.grad_data, None, fp32.param_data,
-            {shard32[n]: fp32.shards[n] for n in shard32},
+            {shard32[n]: fp32.shards[n] for n in shard32}, island_of(fp32),
         ),
     )  # fmt: skip
 
@@ -185,80 +245,92 @@ def sim(pa, fp32_first, grads_fp32, dp, rank):
                 strict=True,
             ):
                 dst.copy_(src)
+        for buf in (bf16, fp32):
+            buf.fill_islands()
         for n, p in shard16.items():
-            s = bf16.shards[n]
             if pa:
-                p.decoupled_grad = bf16.grad_data[s.start : s.end]
+                p.decoupled_grad = bf16.optimizer_grad(n)
             else:
-                (local,) = to_local([s], bf16.owned)
+                (local,) = to_local([bf16.shards[n]], bf16.owned)
                 p.grad = mirror[local.start : local.end]
         for n, p in shard32.items():
-            s = fp32.shards[n]
-            view = fp32.grad_data[s.start : s.end]
+            view = fp32.optimizer_grad(n)
             if pa:
                 p.decoupled_grad = view
+                if torch_grads:
+                    p.grad = view
             else:
                 p.grad = view
 
     return bf16, fp32, groups, sources, bind_grads, shard16
 
 
-def placement(groups, fraction):
-    """megatron-core's ``_get_sub_optimizer_param_groups``, every parameter "on the GPU"."""
-    total = sum(p.numel() for g in groups for p in g["params"])
-    done = 0
-    cpu_groups, gpu_groups, to_cpu, to_gpu, fp32 = [], [], {}, {}, {}
-    for group in groups:
-        cg, gg = {**group, "params": []}, {**group, "params": []}
-        for orig in group["params"]:
-            param, moved = orig, False
-            if done < total * fraction:
-                param, moved = orig.detach().clone(), True
-                done += param.numel()
-            if param.dtype != torch.float32:
-                param = param.detach().clone().float()
-                fp32[orig] = param
-            if moved:
-                to_cpu[orig], to_gpu[param] = param, orig
-            (cg if moved else gg)["params"].append(param)
-        cpu_groups += [cg] if cg["params"] else []
-        gpu_groups += [gg] if gg["params"] else []
-    return cpu_groups, gpu_groups, to_cpu, to_gpu, fp32
+class _OnTheDevice(TorchFunctionMode):
+    """CPU tensors that read as CUDA ones: ``originals``, and whatever is computed from them
+    without a ``.cpu()``; ``.cpu()`` of one copies, ``pin_memory()`` is the identity. Under
+    it, megatron-core's own placement (which offloads only parameters on a CUDA device) runs
+    on CPU tensors as it would on the device."""
+
+    def __init__(self, originals):
+        super().__init__()
+        self.device = {id(t): t for t in originals}  # kept alive: ids are not reused
+
+    def on_device(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and id(t) in self.device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is torch._C.TensorBase.is_cuda:
+            return self.on_device(args[0])
+        if func is torch._C.TensorBase.cpu:
+            return args[0].clone() if self.on_device(args[0]) else args[0]
+        if func is torch._C.TensorBase.pin_memory:
+            return args[0]
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and any(self.on_device(a) for a in args):
+            self.device[id(out)] = out
+        return out
+
+
+def on_the_device(groups) -> _OnTheDevice:
+    """Every parameter of ``groups`` on the "device" (:class:`_OnTheDevice`), in a ``with``."""
+    return _OnTheDevice([p for g in groups for p in g["params"]])
+
+
+# megatron-core's own placement, as imported (a test may replace the method with placement)
+_MEGATRON_PLACEMENT = HybridDeviceOptimizer.__dict__["_get_sub_optimizer_param_groups"]
+if _MEGATRON_PLACEMENT.__module__ != HybridDeviceOptimizer.__module__:
+    raise RuntimeError(
+        "tests.support.offload_sim was first imported with HybridDeviceOptimizer's placement "
+        "replaced; import it before replacing the method"
+    )
+
+
+def placement(groups, fraction, param_update_in_fp32=True):
+    """megatron-core's own ``_get_sub_optimizer_param_groups`` over ``groups``, every
+    parameter on the "device" (:func:`on_the_device`)."""
+    hdo = types.SimpleNamespace(param_groups=groups, param_update_in_fp32=param_update_in_fp32)
+    with on_the_device(groups):
+        return _MEGATRON_PLACEMENT(hdo, fraction)
 
 
 class StockPlaced(HybridDeviceOptimizer):
-    """megatron-core's optimizer, unchanged but for the placement above."""
+    """The reference: megatron-core's optimizer, nothing of ours; its own placement, run
+    with every parameter on the "device". Build its simulation with ``torch_grads=True``
+    where it should train natively fp32 parameters that stay on the GPU (megatron-core
+    gives their torch optimizer no gradient: ``test_gpu_resident_fp32_params_train...``)."""
 
     def _get_sub_optimizer_param_groups(self, offload_fraction):
-        return placement(self.param_groups, offload_fraction)
-
-
-class StockPlacedFp32Fixed(StockPlaced):
-    """The per-parameter reference: megatron-core's path, plus the one fix host mirrors make.
-
-    With precision-aware gradients (``.decoupled_grad``), megatron-core gives a natively
-    fp32 parameter that stays on the GPU no ``.grad``, so its torch GPU optimizer skips it;
-    host mirrors bind ``.grad = .decoupled_grad`` (:func:`bind_native_grads`).
-    """
-
-    def _set_sub_optimizer_grads(self):
-        bind_native_grads(self)
-        super()._set_sub_optimizer_grads()
-
-
-def bind_native_grads(hdo):
-    for g in hdo.gpu_param_groups:
-        for p in g["params"]:
-            grad = getattr(p, "decoupled_grad", None)
-            if p not in hdo.fp32_param_to_orig_param and grad is not None:
-                p.grad = grad
+        with on_the_device(self.param_groups):
+            return super()._get_sub_optimizer_param_groups(offload_fraction)
 
 
 class MirrorPlaced(HostMirrorHybridOptimizer):
-    """Host mirrors; the placement above wherever megatron-core's would run (a reload)."""
+    """Host mirrors; megatron-core's placement as for :class:`StockPlaced`."""
 
     def _get_sub_optimizer_param_groups(self, offload_fraction):
-        return placement(self.param_groups, offload_fraction)
+        with on_the_device(self.param_groups):
+            return super()._get_sub_optimizer_param_groups(offload_fraction)
 
 
 class MirrorChunked(MirrorPlaced):
@@ -310,14 +382,74 @@ def make_hdo(cls, groups, fraction, overlap, sources=None, chunk=None, compute=N
     if sources is not None:
         # placed from hdo.param_groups (megatron-core's defaults, fused=True, filled in), as
         # attach_host_mirrors reuses megatron-core's placement
-        hdo._offload_sources = sources
+        offload_internals.set_sources(hdo, sources)
     HybridDeviceOptimizer.__init__(
         hdo, groups, offload_fraction=fraction, cpu_optimizer_cls=torch.optim.AdamW,
         gpu_optimizer_cls=gpu_cls or torch.optim.AdamW, param_update_in_fp32=True,
-        pin_cpu_grads=False, overlap_cpu_optimizer_d2h_h2d=overlap, lr=1e-2, betas=(0.9, 0.95),
-        eps=1e-8, fused=True,
+        pin_cpu_grads=False, overlap_cpu_optimizer_d2h_h2d=overlap, lr=1e-2, betas=BETAS,
+        eps=EPS, fused=True,
     )  # fmt: skip
     return hdo
+
+
+def distopt_shaped(pa, dp, rank):
+    """A DistributedOptimizer's attributes that attach_host_mirrors reads, over _Buffers,
+    with its flat targets built by megatron_ext.targets and a megatron-core
+    HybridDeviceOptimizer (placed as above) inside: the glue, on the CPU."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_ext.targets import FlatOptimizerState, buffer_target
+
+    group = SimpleNamespace(size=lambda: dp, rank=lambda: rank)
+    child = DistributedOptimizer.__new__(DistributedOptimizer)
+    child.config = SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=pa)
+    child.is_stub_optimizer = False
+    child.buffers, targets, ranges = [], [], {}
+    child.model_param_gbuf_map = {}
+    models, shards = {}, {}
+    for index, (shapes, dtype) in enumerate(
+        ((SHAPES, torch.bfloat16), (FP32_SHAPES, torch.float32))
+    ):
+        b = SimBuffer(shapes, dtype, dtype, dp, rank)
+        index_map = {}
+        for name, span in b.spans.items():
+            model = b.param_data[span.start : span.end].view(shapes[name])
+            index_map[model] = (span.start, span.end, 0)
+            child.model_param_gbuf_map[model] = (index, (dtype, dtype), 0)
+            piece = b.shards.get(name)
+            if piece is None:
+                continue
+            ranges[model] = {
+                "param": SimpleNamespace(start=piece.start - span.start, end=piece.end - span.start)
+            }
+            shard = b.param_data[piece.start : piece.end]
+            if dtype == torch.bfloat16 and not pa:
+                shard = shard.float()  # an fp32 main shard
+            models[model], shards[model] = dtype, shard
+        buf = SimpleNamespace(
+            param_index_map=index_map, grad_data=b.grad_data, param_data=b.param_data,
+            numel=b.grad_data.numel(), bucket_indices=[(0, b.grad_data.numel())],
+            data_parallel_group=group, grad_dtype=dtype, param_dtype=dtype,
+        )  # fmt: skip
+        needs_mirror = not pa and dtype != torch.float32
+        layout = buffer_layout(buf, {m: n for m, n in zip(index_map, b.spans, strict=True)})
+        targets.append(
+            buffer_target(buf, layout, layout.records, sharded=True, needs_mirror=needs_mirror)
+        )
+        child.buffers.append(buf)
+    child._get_model_param_range_map = ranges.__getitem__
+    offload_internals.set_flat_state(child, FlatOptimizerState(targets, None))
+    halves = [[m for m in models if models[m] == dt] for dt in (torch.bfloat16, torch.float32)]
+    child.model_float16_groups, child.model_fp32_groups = [halves[0]], [halves[1]]
+    shard16 = [[shards[m] for m in halves[0]]]
+    child.shard_float16_groups = shard16 if pa else [[None] * len(halves[0])]
+    child.shard_fp32_from_float16_groups = [[None] * len(halves[0])] if pa else shard16
+    child.shard_fp32_groups = [[shards[m] for m in halves[1]]]
+    groups = [{"params": [*child.shard_fp32_groups[0], *shard16[0]], "weight_decay": 0.0}]
+    child.optimizer = make_hdo(StockPlaced, groups, 0.5, False)
+    return child
 
 
 def assert_same_state(stock, mine):
@@ -336,20 +468,17 @@ def assert_same_state(stock, mine):
 
 def train(
     cls, pa, fraction, steps, chunk=None, overlap=True, reload_at=None, compute=None,
-    grads_fp32=False,
+    grads_fp32=False, islands=False,
 ):  # fmt: skip
     """``steps`` steps of ``cls`` over the two-buffer model at DP=2, rank 1 (fp32 gradient
-    buffers for the bf16 parameters with ``grads_fp32``): (bf16, fp32, optimizer, shards)."""
-    bf16, fp32, groups, sources, bind, shard16 = sim(pa, False, grads_fp32, 2, 1)
-    hdo = make_hdo(
-        cls,
-        groups,
-        fraction,
-        overlap,
-        None if issubclass(cls, StockPlaced) else sources,
-        chunk,
-        compute,
+    buffers for the bf16 parameters with ``grads_fp32``, fp32 islands with ``islands``):
+    (bf16, fp32, optimizer, shards). :class:`StockPlaced` is given the gradients of natively
+    fp32 parameters as ``.grad`` too (``sim``'s ``torch_grads``)."""
+    stock = issubclass(cls, StockPlaced)
+    bf16, fp32, groups, sources, bind, shard16 = sim(
+        pa, False, grads_fp32, 2, 1, torch_grads=stock, islands=islands
     )
+    hdo = make_hdo(cls, groups, fraction, overlap, None if stock else sources, chunk, compute)
     gen = torch.Generator().manual_seed(11)
     for step in range(steps):
         if reload_at == step:
@@ -358,14 +487,90 @@ def train(
     return bf16, fp32, hdo, shard16
 
 
-def one_step(bf16, fp32, bind, hdo, step, gen):
-    """Fresh gradients, an lr schedule per group, one step."""
+def fresh_grads(bf16, fp32, gen) -> None:
+    """The next step's gradients in both buffers (randn, rounded to the buffer's dtype)."""
     bf16.grad_data.copy_(torch.randn(bf16.grad_data.numel(), generator=gen))
     fp32.grad_data.copy_(torch.randn(fp32.grad_data.numel(), generator=gen))
+
+
+def lr_at(step: int, group: int) -> float:
+    """The lr schedule :func:`one_step` sets: per step, per param group."""
+    return 3e-3 * (step + 2) * (group + 1)
+
+
+def one_step(bf16, fp32, bind, hdo, step, gen):
+    """Fresh gradients, an lr schedule per group, one step."""
+    fresh_grads(bf16, fp32, gen)
     bind()
     for i, g in enumerate(hdo.param_groups):
-        g["lr"] = 3e-3 * (step + 2) * (i + 1)
+        g["lr"] = lr_at(step, i)
     hdo.step()
+
+
+class Fp64AdamW:
+    """AdamW from its formula (torch's: decoupled weight decay, bias-corrected moments, eps
+    outside the square root), in fp64, one flat parameter at a time, keyed by name."""
+
+    def __init__(self, params: dict[str, torch.Tensor]):
+        self.params = {n: p.detach().double().reshape(-1).clone() for n, p in params.items()}
+        self.exp_avg = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.steps = 0
+
+    def step(self, grads: dict, lr: dict, weight_decay: dict) -> None:
+        self.steps += 1
+        t, (b1, b2) = self.steps, BETAS
+        for n, p in self.params.items():
+            g = grads[n].double().reshape(-1)
+            p.mul_(1 - lr[n] * weight_decay[n])
+            m = self.exp_avg[n].mul_(b1).add_((1 - b1) * g)
+            v = self.exp_avg_sq[n].mul_(b2).add_((1 - b2) * g * g)
+            p.sub_(lr[n] * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + EPS))
+
+
+def fp64_run(pa, steps, grads_fp32=False, islands=False) -> Fp64AdamW:
+    """:func:`train`'s run (the same gradients, each as megatron-core's optimizer reads it;
+    the same hyperparameters), stepped by :class:`Fp64AdamW` alone."""
+    bf16, fp32, _, _, bind, _ = sim(pa, False, grads_fp32, 2, 1, islands=islands)
+    names = {n: buf for buf in (bf16, fp32) for n in buf.shards}
+    decay = {n: len((SHAPES | FP32_SHAPES)[n]) > 1 for n in names}
+    ref = Fp64AdamW({n: buf.shard_params[n] for n, buf in names.items()})
+    gen = torch.Generator().manual_seed(11)
+    for step in range(steps):
+        fresh_grads(bf16, fp32, gen)
+        bind()
+        ref.step(
+            {n: buf.optimizer_grad(n) for n, buf in names.items()},
+            {n: lr_at(step, 0 if decay[n] else 1) for n in names},
+            {n: 0.1 if decay[n] else 0.0 for n in names},
+        )
+    return ref
+
+
+def assert_adamw_in_fp64_terms(run, ref: Fp64AdamW) -> None:
+    """Every shard's parameter, fp32 master weights and moments (the optimizer's ``state``)
+    against :class:`Fp64AdamW`: fp32 values to a few fp32 roundings per step; parameters
+    kept in bf16 to their rounding (half a bf16 unit, 2^-8 relative)."""
+    bf16, fp32, hdo, _ = run
+    seen = 0
+    for buf in (bf16, fp32):
+        for n, p in buf.shard_params.items():
+            state = hdo.state[p]
+            assert float(state["step"]) == ref.steps, n
+            close = dict(rtol=1e-5, atol=1e-7)
+            for key, want in (
+                ("master_param", ref.params[n]),
+                ("exp_avg", ref.exp_avg[n]),
+                ("exp_avg_sq", ref.exp_avg_sq[n]),
+            ):
+                got = state[key].double().reshape(-1)
+                torch.testing.assert_close(got, want, **close, msg=f"{n} {key}")
+            got = p.detach().double().reshape(-1)
+            if p.dtype == torch.bfloat16:
+                close = dict(rtol=2**-8 + 1e-5, atol=1e-7)
+            torch.testing.assert_close(got, ref.params[n], **close, msg=n)
+            seen += 1
+    assert seen == len(ref.params)
 
 
 def train_switching(first, second, pa, fraction, steps, switch_at):
