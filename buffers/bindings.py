@@ -334,10 +334,10 @@ class BindingWatch:
         lines = [problem.render(names) for problem, names in ordered[:MAX_CAUSES]]
         if len(ordered) > MAX_CAUSES:
             rest = sum(len(names) for _, names in ordered[MAX_CAUSES:])
-            causes = len(ordered) - MAX_CAUSES
+            others = len(ordered) - MAX_CAUSES
             lines.append(
                 f"and {rest} more parameter{'s' * (rest > 1)} with "
-                f"{'another cause' if causes == 1 else f'{causes} other causes'}: "
+                f"{'another cause' if others == 1 else f'{others} other causes'}: "
                 "fgb.check_bindings() reports them once these are fixed"
             )
         return "\n".join(lines)
@@ -358,7 +358,9 @@ class BindingWatch:
             self.raise_broken()
         for pid in self.broken:
             b = self.bindings[pid]
-            b.ref().grad = b.view
+            param = b.ref()
+            if param is not None:  # a freed parameter leaves the bindings (freed())
+                param.grad = b.view
         self.broken.clear()
 
 

@@ -26,11 +26,15 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from . import ops
 from .options import DEFAULT, BufferOptions
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 _EAGER = object()  # marks a key whose capture failed: always run eagerly
 
@@ -136,7 +140,7 @@ class GraphReplayer:
         self.device = device
         self.options = options
         self._graphs: dict[object, object] = {}
-        self._pool = None
+        self._pool: _POOL_HANDLE | None = None
         self.captures = 0  # how many graphs were captured (tests and benchmarks read it)
         self.invalidations = 0  # how many times moved storage dropped the graphs
         reps: dict[int, torch.Tensor] = {}
@@ -174,7 +178,7 @@ class GraphReplayer:
             if entry is _EAGER:
                 return fn()
             self._captured_at = signature
-        graph, out = entry
+        graph, out = cast(tuple[torch.cuda.CUDAGraph, torch.Tensor], entry)
         graph.replay()
         return out
 

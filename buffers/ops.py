@@ -464,8 +464,8 @@ class TritonBackend(TorchBackend):
             vroot = v._base if v._base is not None else v
             if vroot.data_ptr() != root.data_ptr() or v.dim() != 1 or not v.is_contiguous():
                 return None, None
-            lo = v.storage_offset() - root.storage_offset()
-            spans.append((lo, lo + v.numel()))
+            lo = int(v.storage_offset() - root.storage_offset())  # a SymInt only when traced
+            spans.append((lo, lo + int(v.numel())))
         # The table depends only on offsets, so it is shared by buffers with the same spans.
         key = (root.device, tuple(spans))
         if key not in self._tables:

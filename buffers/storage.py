@@ -25,7 +25,9 @@ ParamsArg = (
 )
 
 
-def _named(params: ParamsArg) -> list[tuple[str, torch.Tensor]]:
+def _named(
+    params: torch.Tensor | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
     if isinstance(params, torch.Tensor):  # one parameter, as torch's clip_grad_norm_ takes
         params = [params]
     out = []
@@ -296,14 +298,13 @@ class FlatGradBuffers:
         _check_call_args(error_if_nonfinite, foreach, group, per_param)
         p = ops.check_torch_norm_type(norm_type)
         self._check_bound()
-        result = self._norm(p, group, per_param)
+        result = self._param_norms(p, group) if per_param else self._total_norm(p, group)
         if error_if_nonfinite:
-            _raise_if_nonfinite(result.total if per_param else result, norm_type)
+            total = result.total if isinstance(result, ParamNorms) else result
+            _raise_if_nonfinite(total, norm_type)
         return result
 
-    def _norm(self, p: float, group, per_param: bool) -> torch.Tensor | ParamNorms:
-        if per_param:
-            return self._param_norms(p, group)
+    def _total_norm(self, p: float, group) -> torch.Tensor:
         if group is None:
             return self._norm_clip.norm(p)
         # Built per call, not kept: holding the group past destroy_process_group() can
@@ -389,8 +390,8 @@ class FlatGradBuffers:
                 return self._norm_clip.clip_(max_norm, p)
             reducer = graphs.GroupReducer(p, group, self.device, self.options)
             return self._norm_clip.clip_reduced_(max_norm, p, *reducer.args())
-        result = self._norm(p, group, per_param)
-        total = result.total if per_param else result
+        result = self._param_norms(p, group) if per_param else self._total_norm(p, group)
+        total = result.total if isinstance(result, ParamNorms) else result
         if error_if_nonfinite:
             _raise_if_nonfinite(total, norm_type)
         self._norm_clip.scale_by_norm_(total, max_norm)
@@ -433,13 +434,14 @@ class FlatGradBuffers:
             total = self.clip_grad_norm_(max_norm, p, group=group)
             optimizer.step()
             return total
-        given = None if group is None else self._norm(p, group, False)
+        given = None if group is None else self._total_norm(p, group)
         total = self._norm_clip.fold_(max_norm, p, given)
-        optimizer.grad_scale = self._norm_clip.inverse_coeff
+        # torch's fused Adam reads this attribute, which its stubs do not declare
+        optimizer.grad_scale = self._norm_clip.inverse_coeff  # type: ignore[attr-defined]
         try:
             optimizer.step()
         finally:
-            del optimizer.grad_scale
+            del optimizer.grad_scale  # type: ignore[attr-defined]
         return total
 
     @staticmethod
@@ -467,7 +469,7 @@ class FlatGradBuffers:
                     f"{q.dtype})"
                 )
                 outsider = watch.outsiders.get(id(q))
-                if outsider is not None and outsider[0]() is q and q.requires_grad:
+                if q.requires_grad and outsider is not None and outsider[0]() is q:
                     raise ValueError(f"{where}: {watch.outsider_message(id(q))}")
                 if q.requires_grad:
                     raise ValueError(

@@ -116,7 +116,7 @@ class FlatChainedOptimizer(ChainedOptimizerSurface):
         return sum(c.count_zeros() for c in children if c.config.log_num_zeros_in_grad)
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, torch.Tensor | None, torch.Tensor | None]:
+    def step(self) -> tuple[bool, torch.Tensor | None, torch.Tensor | int | None]:
         if self.prepare_grads():
             return False, None, None
         children = [c for c in self._active() if c._flat.targets]

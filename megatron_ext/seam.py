@@ -25,6 +25,7 @@ import functools
 import importlib
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -598,7 +599,7 @@ def _check_entries(entries: list[Entry], version) -> None:
             )
 
 
-def target(name: str):
+def target(name: str) -> Any:
     """The megatron-core object of entry ``name``; :func:`check` has checked its signature."""
     entry = _BY_NAME[name]
     try:
@@ -627,7 +628,7 @@ def _owner(entry: Entry) -> tuple[object, str]:
     return obj, attr
 
 
-def optional(name: str):
+def optional(name: str) -> Any:
     """The object of an optional entry, or None where this megatron-core lacks it."""
     entry = _BY_NAME[name]
     if not entry.optional:

@@ -42,17 +42,18 @@ def kind_of(owner, raw) -> str:
 def spec(tokens: tuple[str, ...]) -> list[inspect.Parameter]:
     """``params`` tokens as parameters (default: a marker, only whether there is one)."""
     out = []
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    keyword_only = False  # after "*" or "*args"
     for token in tokens:
         if token == "*":
-            kind = inspect.Parameter.KEYWORD_ONLY
+            keyword_only = True
         elif token.startswith("**"):
             out.append(inspect.Parameter(token[2:], inspect.Parameter.VAR_KEYWORD))
         elif token.startswith("*"):
             out.append(inspect.Parameter(token[1:], inspect.Parameter.VAR_POSITIONAL))
-            kind = inspect.Parameter.KEYWORD_ONLY
+            keyword_only = True
         else:
             name, default = token.removesuffix("="), token.endswith("=")
+            kind = _P.KEYWORD_ONLY if keyword_only else _P.POSITIONAL_OR_KEYWORD
             out.append(inspect.Parameter(name, kind, default=... if default else _EMPTY))
     return out
 
@@ -92,18 +93,18 @@ def call_problems(have: list[inspect.Parameter], call: list[inspect.Parameter]) 
     for p in call:
         if p.kind != _P.KEYWORD_ONLY:
             continue
-        t = by_name.get(p.name)
-        if t is None:
+        named = by_name.get(p.name)
+        if named is None:
             if not takes_kwargs:
                 problems.append(f"it has no parameter {p.name!r}, which we pass by keyword")
-        elif t.kind not in _KEYWORD:
-            problems.append(f"{p.name!r} is now {_KIND_TEXT[t.kind]}; we pass it by keyword")
-        elif t.name in passed:
+        elif named.kind not in _KEYWORD:
+            problems.append(f"{p.name!r} is now {_KIND_TEXT[named.kind]}; we pass it by keyword")
+        elif named.name in passed:
             problems.append(f"{p.name!r} now comes before it; we pass it by keyword")
         passed.add(p.name)
     for p in call:
-        t = by_name.get(p.name)
-        if p.default is not _EMPTY and t is not None and _required(t):
+        named = by_name.get(p.name)
+        if p.default is not _EMPTY and named is not None and _required(named):
             problems.append(f"{p.name!r} is now required; we do not always pass it")
     for t in have:
         if not _required(t) or t.name in passed:
@@ -155,11 +156,15 @@ def stand_in_problems(have: list[inspect.Parameter], ours: list[inspect.Paramete
     return problems
 
 
-def returned_tuples(func) -> list[ast.expr]:
-    """The value of every ``return`` in ``func``'s own body (not in nested functions)."""
+def returned_tuples(func) -> list[ast.expr | None]:
+    """The value of every ``return`` in ``func``'s own body (not in nested functions);
+    None for a bare ``return``."""
     source = textwrap.dedent(inspect.getsource(inspect.unwrap(func)))
     node = ast.parse(source).body[0]
-    out, todo = [], list(node.body)
+    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        raise TypeError(f"its source starts with a {type(node).__name__}, not a function")
+    out: list[ast.expr | None] = []
+    todo: list[ast.AST] = list(node.body)
     while todo:
         n = todo.pop()
         if isinstance(n, ast.Return):

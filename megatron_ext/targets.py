@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ class BufferTarget:
     scale_views: list[torch.Tensor]  # views of what the optimizer reads (grad buffer or mirror)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src)
     mirror: torch.Tensor | None = None  # fp32 copy of this rank's shard, when one is needed
-    buffer: object = None  # the megatron-core buffer itself
+    buffer: Any = None  # the megatron-core buffer itself (megatron-core ships no types)
     norm_reads_mirror: bool = False  # norm_views are views of ``mirror``, not the buffer
     # The fp32 local-accumulation island, when the optimizer reads its parameters' gradients
     # there (no mirror): megatron-core unscales those in place, not their buffer slices.
@@ -173,4 +174,6 @@ def mirror_view(target: BufferTarget, start: int, end: int) -> torch.Tensor:
     (local,) = to_local([Span(start, end)], target.spans.owned)
     if local.numel != end - start:
         raise AssertionError(f"[{start}, {end}) is not inside this rank's shard")
+    if target.mirror is None:
+        raise AssertionError(f"{target.name} has no mirror")
     return target.mirror[local.start : local.end]

@@ -55,6 +55,8 @@ from .fp32 import Float16Module, mark_keep_in_fp32
 from .optimizer import get_megatron_optimizer
 
 FIRST_VERSION = (0, 19)  # pretrain(cfg_container, ...): the loop these entries patch
+# Set on our parse_and_validate_args, so that a second install() does not wrap it twice.
+_WRAPPED_MARK = "__wrapped_by_megatron_ext__"
 
 
 class UnsupportedTrainingOptionError(ValueError):
@@ -366,7 +368,7 @@ def install() -> TrainingPatches:
     """
     _check_training_loop()
     parse = seam.target("training args")
-    if getattr(parse, "__wrapped_by_megatron_ext__", False):
+    if getattr(parse, _WRAPPED_MARK, False):
         raise RuntimeError("megatron_ext.train.install() is already in effect")
     patches = TrainingPatches()
     patches.replace("dataset helpers build", _unless_prebuilt(seam.target("dataset helpers build")))
@@ -633,7 +635,7 @@ def _parse_then_enable(parse: Callable, patches: TrainingPatches):
         return args
 
     enabled: list[bool] = []
-    parse_and_validate_args.__wrapped_by_megatron_ext__ = True
+    setattr(parse_and_validate_args, _WRAPPED_MARK, True)
     return parse_and_validate_args
 
 
@@ -659,7 +661,7 @@ def _check_training_loop() -> None:
         raise seam.MegatronCoreMismatchError(
             "megatron_ext.train patches the training loop of megatron-core >= "
             f"{'.'.join(map(str, FIRST_VERSION))} (pretrain(cfg_container, ...)); the "
-            f"installed one is {'.'.join(map(str, version))}"
+            f"installed one is {'.'.join(map(str, version[:3]))}"
         )
 
 
@@ -697,7 +699,7 @@ def _logging_per_layer(original: Callable, args: argparse.Namespace):
     indices: dict[tuple[str, ...], object] = {}
 
     def train_step(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs):
-        iteration = kwargs.get("iteration")
+        iteration: int | None = kwargs.get("iteration")
         if iteration is None:
             iteration = getattr(args, "curr_iteration", 0)
         logged = optimizer is not None and (iteration + 1) % args.log_interval == 0
