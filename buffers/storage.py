@@ -98,7 +98,7 @@ class FlatGradBuffers:
                 "buffers on purpose pass a list, or device="
             )
         self.options = options
-        trained, frozen = _sort(named)
+        trained, frozen = _checked_trained_and_frozen(named)
         if named and not trained:
             warnings.warn(
                 f"none of the {len(named)} parameters given to FlatGradBuffers requires grad: "
@@ -506,10 +506,16 @@ class FlatGradBuffers:
         return f"FlatGradBuffers({len(self._names)} params; {sizes}; {self.nbytes} bytes)"
 
 
-def _sort(
+def _checked_trained_and_frozen(
     named: list[tuple[str, torch.Tensor]],
 ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-    """``(trained, frozen)``, each parameter once; every trained one checked first."""
+    """Check each parameter (a leaf tensor; if trained, of a gradient dtype we hold) and
+    split them into ``(trained, frozen)``, each parameter once, in the given order.
+
+    Raises:
+        ValueError: a parameter is not a leaf tensor.
+        TypeError: a trained parameter's dtype has no flat buffer.
+    """
     seen: set[int] = set()
     trained, frozen = [], []
     for name, p in named:
