@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from . import seam, wgrad_fusion
+from .counted_spans import GradRecord, exclusion_reason
 from .fp32 import align_router_inputs, cast_marked_to_fp32
 from .layout import BufferKey, BufferLayout, ChunkLayout, buffer_layout, record_params
-from .spans import GradRecord, exclusion_reason
 
 _MCoreDDP: Any = seam.target("DistributedDataParallel")
 ALIGN = 64  # elements; Megatron aligns every parameter's start to 64 elements too
@@ -170,7 +170,7 @@ def param_flags(p: torch.Tensor, tp_group=None, expert_tp_group=None) -> dict:
     ``optimizer.expert_tp_group``). Expert parameters use ``expert_tp_group``; given
     ``tp_group`` alone (megatron-core 0.18 sets no expert group), the expert tensor-parallel
     rank of megatron-core's parallel state, and without that none:
-    :func:`~megatron_ext.spans.exclusion_reason` refuses them (falling back to the dense TP
+    :func:`~megatron_ext.counted_spans.exclusion_reason` refuses them (falling back to the dense TP
     rank, as megatron-core 0.18 does, is the published ETP != TP undercount). Without
     groups, megatron-core's global parallel state when it is initialised; with neither, only
     a single-process job is accepted (any other would count every tensor-parallel duplicate

@@ -11,7 +11,7 @@ from buffers.param_norms import ParamNorms
 
 from .flat_optimizer import FlatNormOptimizer, _per_param
 from .flat_state import FlatNormState
-from .param_norms import concat_norms
+from .global_param_norms import concat_norms
 
 
 class ChainedOptimizerSurface(Protocol):

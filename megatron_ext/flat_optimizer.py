@@ -11,7 +11,7 @@ from buffers.param_norms import ParamNorms
 
 from . import opt_checkpoint
 from .flat_state import FlatNormState
-from .param_norms import MegatronParamNorms
+from .global_param_norms import MegatronParamNorms
 
 
 class MegatronOptimizerSurface(Protocol):
@@ -76,7 +76,7 @@ class FlatNormOptimizer(MegatronOptimizerSurface):
 
         Returns a :class:`buffers.ParamNorms`: ``total`` (what :meth:`get_grad_norm`
         returns, up to summation order), ``norms`` (a device vector), ``names`` (global:
-        :mod:`megatron_ext.param_norms`) and ``counted``; ``.as_dict()`` is
+        :mod:`megatron_ext.global_param_norms`) and ``counted``; ``.as_dict()`` is
         ``{name: norm}``, copied to the host only when read; ``.by_group(index)`` folds
         them into layers or module types on the device. Reads what the norm reads (call
         it where :meth:`get_grad_norm` would be called: after the gradients are reduced,

@@ -21,7 +21,7 @@ import torch
 from buffers.graphs import GroupReducer, NormClip
 from buffers.param_norms import ParamNorms
 
-from .param_norms import MegatronParamNorms
+from .global_param_norms import MegatronParamNorms
 from .targets import BufferTarget, FlatOptimizerState
 
 

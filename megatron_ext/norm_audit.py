@@ -35,8 +35,8 @@ import torch
 from buffers.spans import Span
 
 from . import seam
+from .counted_spans import SHARED, GradRecord
 from .layout import record_params
-from .spans import SHARED, GradRecord
 from .targets import BufferTarget
 
 OTHER_SHARD = "other rank's shard"
@@ -118,7 +118,7 @@ def piece_key(
         chunk: the model chunk's index on this rank.
         tensor_model_parallel: Megatron's flag: the parameter is split across TP ranks.
         is_expert: Megatron's ``allreduce=False`` (expert-parallel buffers), as in
-            :func:`megatron_ext.spans.exclusion_reason`.
+            :func:`megatron_ext.counted_spans.exclusion_reason`.
         ranks: this rank's :class:`ParallelRanks`.
 
     Returns:

@@ -17,6 +17,7 @@ from . import offload, refusals, seam
 from .flat_chain import FlatChainedOptimizer
 from .flat_optimizer import FlatNormOptimizer
 from .flat_state import FlatNormState
+from .global_param_norms import global_param_names
 from .opt_checkpoint import (
     align_group_order,
     create_state_before_loading,
@@ -30,7 +31,6 @@ from .opt_state import (
     placed_buffers,
 )
 from .options import MegatronOptions
-from .param_norms import global_param_names
 from .targets import FlatOptimizerState
 
 __all__ = [

@@ -14,8 +14,8 @@ import torch
 
 from buffers.spans import Span, intersect_spans, subtract_spans, to_local
 
+from .counted_spans import GradRecord, RankSpans, rank_spans
 from .layout import BufferLayout
-from .spans import GradRecord, RankSpans, rank_spans
 
 
 @dataclass

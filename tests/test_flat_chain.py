@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_ext import enable_flat_norm
-from megatron_ext.param_norms import concat_norms
+from megatron_ext.global_param_norms import concat_norms
 from tests.support.optimizers import (
     FP32,
     Chunk,

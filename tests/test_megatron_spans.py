@@ -3,7 +3,7 @@
 import pytest
 
 from buffers.spans import Span
-from megatron_ext.spans import (
+from megatron_ext.counted_spans import (
     GradRecord,
     counted_runs,
     exclusion_reason,

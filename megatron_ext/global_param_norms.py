@@ -31,8 +31,8 @@ from buffers.param_norms import ParamNorms, ParamStats
 from buffers.segments import SpanSegments
 from buffers.spans import Span, intersect_spans, to_local
 
+from .counted_spans import SHARED
 from .layout import record_params
-from .spans import SHARED
 from .targets import BufferTarget
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
