@@ -299,8 +299,8 @@ def run_pieces(tasks: Sequence) -> list:
     The calling thread and ``torch.get_num_threads() - 1`` helper threads take tasks one by
     one from a shared counter, every op on one thread (:func:`single_thread`). Torch's own
     multi-threaded ops wait for all their threads at every op: with the cores busy with
-    other processes each can stall for a scheduler time slice (measured on a 2-core
-    machine: ~100 such ops took 250-600 ms instead of ~10). Here the caller never waits for
+    other processes each can stall for a scheduler time slice (docs/RESULTS.md, "cpu_norm
+    on the 2-core CPU dev machine", has the measurement). Here the caller never waits for
     a helper that has not started (it takes the tasks itself), only for tasks already
     running; idle, the helpers share the work as torch's threads would. With one thread,
     one task, or a torch built without OpenMP, the tasks run on the calling thread.

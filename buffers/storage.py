@@ -413,14 +413,15 @@ class FlatGradBuffers:
         in as its ``grad_scale`` (a device scalar the fused kernel divides gradients by, as
         it does for ``GradScaler``), so there is no separate scale launch reading and
         writing the gradients; torch's kernel writes the divided gradients back, so
-        ``.grad`` ends up clipped as after an explicit clip. Measured on an H200 with torch 2.11
-        (``benchmarks/clip_step.py``, docs/RESULTS.md) folding was *slower* than the
-        explicit clip (2.5 ms against 1.6 ms on top of the step for 2 GiB of gradients), so
-        it is off by default. Otherwise, and for any other optimizer: ``clip_grad_norm_``
-        and then ``step()``. Either way every parameter the optimizer holds must have its
-        gradient in these buffers, or the norm would not count it (``ValueError``); this is
-        checked again whenever the optimizer's parameters change (one pass over their ids
-        per call), and an optimizer parameter that is frozen now is watched by a hook.
+        ``.grad`` ends up clipped as after an explicit clip. It is off by default: torch's
+        fused step reading a ``grad_scale`` costs more than our scale kernel does, so the
+        fold measured slower than the explicit clip (``benchmarks/clip_step.py``; the
+        numbers are in docs/RESULTS.md, "clip_step"). Otherwise, and for any other
+        optimizer: ``clip_grad_norm_`` and then ``step()``. Either way every parameter the
+        optimizer holds must have its gradient in these buffers, or the norm would not
+        count it (``ValueError``); this is checked again whenever the optimizer's
+        parameters change (one pass over their ids per call), and an optimizer parameter
+        that is frozen now is watched by a hook.
         ``group`` and ``fold`` are keyword-only; every argument is checked as in
         :meth:`clip_grad_norm_`, before anything runs.
         """
