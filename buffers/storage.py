@@ -15,7 +15,7 @@ from .bindings import BindingWatch, GradientOutsideBufferError, refuse_bucket_vi
 from .graphs import NormClip
 from .options import DEFAULT, BufferOptions
 from .param_norms import ParamNormPass, ParamNorms
-from .plan import LayoutPlan, ParamEntry, check_grad_dtype, plan_layout
+from .plan import ALIGN, LayoutPlan, ParamEntry, check_grad_dtype, plan_layout
 from .registrations import ModuleWatch, model_root
 
 __all__ = ["FlatGradBuffers", "GradientOutsideBufferError"]
@@ -83,7 +83,7 @@ class FlatGradBuffers:
         params: ParamsArg,
         *,
         counted: Callable[[torch.Tensor], bool] | None = None,
-        align: int = 64,
+        align: int = ALIGN,
         device: torch.device | str | None = None,
         options: BufferOptions = DEFAULT,
     ) -> None:

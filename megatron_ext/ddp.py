@@ -8,13 +8,14 @@ from typing import Any
 
 import torch
 
+from buffers.plan import ALIGN
+
 from . import seam, wgrad_fusion
 from .counted_spans import GradRecord, exclusion_reason
 from .fp32 import align_router_inputs, cast_marked_to_fp32
 from .layout import BufferKey, BufferLayout, ChunkLayout, buffer_layout, record_params
 
 _MCoreDDP: Any = seam.target("DistributedDataParallel")
-ALIGN = 64  # elements; Megatron aligns every parameter's start to 64 elements too
 
 
 class LayoutMismatchError(RuntimeError):
