@@ -198,7 +198,7 @@ def test_norm_clip_rounds_interleave_the_floor_and_every_row():
                      ("torch", 0.0)] for f in firsts)  # fmt: skip
     for key in keys:
         assert len(results[key]) == 3
-        fields = script._timed_fields(results[key])
+        fields = script.timed_fields(results[key])
         assert fields["time_s"] == min(r["time"] for r in results[key])
         assert fields["time_rounds_s"] == [r["time"] for r in results[key]]
         # host time: the same statistic as the time (on the CPU, the same call)
@@ -276,7 +276,10 @@ def test_noise_line_gives_the_median_and_worst_spread_and_the_ratio_that_is_nois
 SCRIPTS = (
     "norm_clip", "memory", "offload", "offload_step", "clip_step", "train_step", "cpu_norm"
 )  # fmt: skip
-HELPERS = ("common", "inventories", "norm_clip_variants", "memory_ddp", "isolation")
+HELPERS = (
+    "common", "inventories", "norm_clip_variants", "norm_clip_measure", "norm_clip_stock",
+    "norm_clip_report", "memory_ddp", "isolation",
+)  # fmt: skip
 NOTICES = ("Transformer Engine and Apex", "absl.logging", "CUDA_HOME")
 
 
