@@ -318,10 +318,11 @@ class FlatGradBuffers:
             self._param_pass = ParamNormPass(
                 self.plan, self.buffers, self._names, self.device, self.options
             )
-        if group is None:
-            return self._param_pass.norms(p, self._norm_clip.replay)
-        reducer = graphs.GroupReducer(p, group, self.device, self.options)
-        return self._param_pass.norms(p, self._norm_clip.replay, group, reducer.args())
+        with graphs.profiler_range(graphs.NORM_RANGE):
+            if group is None:
+                return self._param_pass.norms(p, self._norm_clip.replay)
+            reducer = graphs.GroupReducer(p, group, self.device, self.options)
+            return self._param_pass.norms(p, self._norm_clip.replay, group, reducer.args())
 
     @overload
     def clip_grad_norm_(

@@ -7,10 +7,11 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from buffers.graphs import profiler_range
 from buffers.param_norms import ParamNorms
 
 from .flat_optimizer import FlatNormOptimizer, _per_param
-from .flat_state import FlatNormState
+from .flat_state import CLIP_RANGE, NORM_RANGE, FlatNormState
 from .global_param_norms import concat_norms
 
 
@@ -43,7 +44,8 @@ class FlatChainedOptimizer(ChainedOptimizerSurface):
 
     def _flat_clip(self, clip_grad: float) -> torch.Tensor:
         """Norm over every child's spans, then scale: one fused sequence, no sync."""
-        return self._flat.launches.clip_reduced_(clip_grad, 2.0, *self._flat_reducer())
+        with profiler_range(CLIP_RANGE):
+            return self._flat.launches.clip_reduced_(clip_grad, 2.0, *self._flat_reducer())
 
     @torch.no_grad()
     def get_grad_norm(self) -> torch.Tensor:
@@ -52,7 +54,8 @@ class FlatChainedOptimizer(ChainedOptimizerSurface):
             return children[0].get_grad_norm()
         if self.grads_states_parallel_group_is_shared():
             # Every child's spans in one sum, one all-reduce: stock's one norm over the union.
-            return self._flat.launches.norm_reduced(2.0, *self._flat_reducer())
+            with profiler_range(NORM_RANGE):
+                return self._flat.launches.norm_reduced(2.0, *self._flat_reducer())
         # Different groups (non-distributed dense + expert): each child reduces over its
         # own group, in order, as megatron-core does; then combine.
         return torch.stack([c.get_grad_norm() for c in children]).square().sum().sqrt()

@@ -7,10 +7,11 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from buffers import ops
+from buffers.graphs import profiler_range
 from buffers.param_norms import ParamNorms
 
 from . import opt_checkpoint
-from .flat_state import FlatNormState
+from .flat_state import CLIP_RANGE, NORM_RANGE, FlatNormState
 from .global_param_norms import MegatronParamNorms
 
 
@@ -42,7 +43,8 @@ class FlatNormOptimizer(MegatronOptimizerSurface):
         return ops.count_zeros_groups(spans.norm_groups, spans.padding, self._flat.launches.device)
 
     def _flat_scale(self, total_norm: torch.Tensor, max_norm: float) -> None:
-        self._flat.launches.scale_by_norm_(total_norm, max_norm)
+        with profiler_range(CLIP_RANGE):
+            self._flat.launches.scale_by_norm_(total_norm, max_norm)
 
     def _flat_reducer(self, group=None) -> tuple[Any, bool, object]:
         """(the all-reduce of a stat over ``group``, default this optimizer's, whether a
@@ -53,12 +55,14 @@ class FlatNormOptimizer(MegatronOptimizerSurface):
 
     @torch.no_grad()
     def get_grad_norm(self) -> torch.Tensor:
-        return self._flat.launches.norm_reduced(2.0, *self._flat_reducer())
+        with profiler_range(NORM_RANGE):
+            return self._flat.launches.norm_reduced(2.0, *self._flat_reducer())
 
     def _flat_clip(self, clip_grad: float) -> torch.Tensor:
         """Norm over this optimizer's group (a chain's: every child's spans), then scale:
         one fused sequence, no sync."""
-        return self._flat.launches.clip_reduced_(clip_grad, 2.0, *self._flat_reducer())
+        with profiler_range(CLIP_RANGE):
+            return self._flat.launches.clip_reduced_(clip_grad, 2.0, *self._flat_reducer())
 
     def clip_grad_norm(self, clip_grad: float) -> torch.Tensor:
         if clip_grad > 0.0:

@@ -24,6 +24,11 @@ from buffers.param_norms import ParamNorms
 from .global_param_norms import MegatronParamNorms
 from .targets import BufferTarget, FlatOptimizerState
 
+# Profiler ranges of the flat optimizer's norm and clip (as FSDP2's "FSDP::..."), around
+# buffers' own ("buffers::grad_norm", "buffers::clip"): host-side records, no sync.
+NORM_RANGE = "megatron_ext::grad_norm"
+CLIP_RANGE = "megatron_ext::clip"
+
 
 @dataclass(eq=False)
 class FlatNormState:
