@@ -3,8 +3,9 @@
 The entry points; the parts, each a module a test can import alone:
 :mod:`~megatron_ext.opt_state` (what each optimizer reads, built once),
 :mod:`~megatron_ext.flat_optimizer` and :mod:`~megatron_ext.flat_chain` (the methods
-given to one optimizer and to a chain), :mod:`~megatron_ext.opt_checkpoint` (checkpoint
-save and load repairs).
+given to one optimizer and to a chain), :mod:`~megatron_ext.flat_state` (the state they
+read, and [Note: the class swap]), :mod:`~megatron_ext.opt_checkpoint` (checkpoint save and
+load repairs).
 """
 
 from __future__ import annotations
