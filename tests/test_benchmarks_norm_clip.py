@@ -166,7 +166,7 @@ def test_norm_clip_warns_when_rounds_spread_and_ratios_use_this_runs_fastest_cop
 def test_tables_end_with_a_legend_of_their_columns(norm_clip_run):
     script, _, records = norm_clip_run
     common = load_script("common")
-    table = common.format_table([r | script._table_fields(r) for r in records], script.TABLE)
+    table = common.format_table([r | script.table_fields(r) for r in records], script.TABLE)
     legend = table.split("\ncolumns:\n", 1)[1]
     for header in ("ratio", "burst us", "syncs", "rel err", "floor ms", "variant"):
         assert f"  {header}: " in legend, header
