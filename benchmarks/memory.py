@@ -36,6 +36,7 @@ import torch
 from benchmarks import common, inventories, isolation, memory_ddp
 from benchmarks.inventories import Inventory
 from buffers import plan_layout
+from buffers.plan import ALIGN
 
 LAYOUT_FIELDS = (
     "kind", "model", "tp", "pp", "ep", "dp", "expert_dp", "bucket_size", "num_params", "numel",
@@ -112,7 +113,7 @@ def layout_record(s: Setting, dp: int, bucket_size: int | None) -> dict:
     """One layout row: ours, stock and fp32 bytes for one setting."""
     inv = s.inventory
     expert_dp = max(1, dp * s.tp // s.ep)
-    plan = plan_layout(inv.entries, align=64)
+    plan = plan_layout(inv.entries, align=ALIGN)
     fp32_island = plan.buffers.get(torch.float32)
     ours = plan.nbytes
     stock = stock_bytes(inv, dp, expert_dp, bucket_size, grad_reduce_in_fp32=False)

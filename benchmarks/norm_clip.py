@@ -36,6 +36,10 @@ a norm further than :data:`WRONG_NORM_REL_ERR` from fp64 is a ``wrong norm`` row
 Prints a summary (``--table summary``, the default: per inventory and op, ours and each
 peer's time over ours, under 100 columns) or every row (``--table full``).
 
+The parts: measurement (``norm_clip_measure.py``), the stock arm's process
+(``norm_clip_stock.py``), plot and tables (``norm_clip_report.py``); this file is the command
+line and the order things run in.
+
 Writes DIR/norm_clip.json, one record per (inventory, variant, op), fields:
 ``inventory, series ("model" | "scaling"), variant, path, op, device, num_params, bytes,
 max_norm, rounds, time_s (the fastest round's median), time_spread ((slowest - fastest) /
@@ -59,10 +63,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import gc
-import math
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -73,19 +73,27 @@ import torch
 
 from benchmarks import common, inventories, isolation
 from benchmarks.inventories import Inventory
-from benchmarks.norm_clip_variants import CUDA_ONLY, VARIANTS, NamedParams, Prepared
+from benchmarks.norm_clip_measure import (
+    OPS,
+    check,
+    failure_fields,
+    make_params,
+    measure_call,
+    norm_status,
+    op_call,
+    release,
+    timed_fields,
+)
+from benchmarks.norm_clip_report import TABLE, plot, row_label, spreads, summary, table_fields
+from benchmarks.norm_clip_stock import StockArm
+from benchmarks.norm_clip_variants import CUDA_ONLY, VARIANTS, Prepared
 
-# op -> (max_norm, passes over the bytes at the floor). max_norm 0 makes the coefficient 0
-# on every timed call, so every call really scales (a small positive max_norm does not: once
-# clipped, rounded gradients can fall just under it and the coefficient clamps to 1). A huge
-# max_norm clamps it to 1: the no-op case.
-OPS: dict[str, tuple[float | None, int]] = {
-    "norm": (None, 1),
-    "clip": (0.0, 3),
-    "clip_noop": (1e30, 1),
-    "per_param": (None, 1),
-}
-BURSTS_PER_ROUND = 3
+__all__ = [
+    "COPY", "OPS", "RECORD_FIELDS", "STOCK", "Prepared", "VARIANTS", "build_inventories",
+    "main", "parse_args", "row_label", "run", "run_inventory", "spreads", "summary",
+    "time_rounds", "timed_fields",
+]  # fmt: skip
+
 COPY = "copy"  # the floor's measurement key among the rows' (variant, op) keys
 RECORD_FIELDS = (
     "inventory", "series", "variant", "path", "op", "device", "num_params", "bytes", "max_norm",
@@ -98,10 +106,6 @@ RECORD_FIELDS = (
 # The stock arms: run in a child process of their own (benchmarks/isolation.py), so that a
 # crash there (megatron-core's norm with transformer-engine on a mixed list) is a row.
 STOCK = frozenset({"megatron"})
-# A norm further than this from the fp64 reference is wrong: above bf16's rounding (2**-8,
-# what per-tensor bf16 norms are off by), far below a misread list (TE's 0.2165 for 0.25).
-WRONG_NORM_REL_ERR = 1e-2
-SEED = 1234
 # Gradient bytes per model inventory with --scale auto, and of the scaling series.
 AUTO_BYTES = {"cpu": 8 * 2**20, "cuda": 6 * 2**30}
 SCALING_BYTES = {"cpu": 8 * 2**20, "cuda": 2**30}
@@ -202,58 +206,6 @@ def build_inventories(args, device: torch.device) -> list[Inventory]:
     return out
 
 
-def make_params(inv: Inventory, device: torch.device) -> NamedParams:
-    """Parameters with the inventory's names, shapes and dtypes, and no weight storage."""
-    return [
-        (e.name, torch.nn.Parameter(torch.empty(1, dtype=e.dtype, device=device).expand(e.shape)))
-        for e in inv.entries
-    ]
-
-
-def fill_random(grads: list[torch.Tensor], device: torch.device) -> None:
-    """Fresh normal values in every gradient, in its dtype; the same for every variant."""
-    gen = torch.Generator(device=device).manual_seed(SEED)
-    for g in grads:
-        g.normal_(generator=gen)
-
-
-def reference_norm(grads: list[torch.Tensor]) -> float:
-    """The L2 norm of the gradients' values, accumulated in fp64."""
-    total = sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads)
-    return float(torch.as_tensor(total).sqrt())
-
-
-def check(prep: Prepared, op: str, device: torch.device) -> dict:
-    """Accuracy of one call on fresh values."""
-    call = _call(prep, op)
-    fill_random(prep.grads, device)
-    ref = reference_norm(prep.grads)
-    extra = {}
-    if op == "per_param":
-        norms = call().double()
-        if prep.per_param_order is not None:
-            norms = norms.index_select(0, prep.per_param_order)
-        want = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in prep.grads])
-        norm = float(torch.linalg.vector_norm(norms))
-        extra["per_param_rel_err"] = float(((norms - want).abs() / want).max())
-    else:
-        norm = float(call())
-    return extra | {
-        "norm": norm,
-        "norm_ref": ref,
-        "rel_err": abs(norm - ref) / ref,
-    }
-
-
-def _call(prep: Prepared, op: str):
-    if op == "per_param":
-        if prep.per_param is None:
-            raise NotImplementedError("this row has no per-parameter norms")
-        return prep.per_param
-    max_norm = OPS[op][0]
-    return prep.norm if max_norm is None else (lambda: prep.clip(max_norm))
-
-
 def time_rounds(
     preps: dict[str, Prepared],
     keys: list[tuple[str, str]],
@@ -280,7 +232,7 @@ def time_rounds(
         prep = preps[label]
         if isinstance(prep, StockArm):  # measured in its own process, in this round's turn
             return lambda r: prep.measure(op, warmup if r == 0 else 0, per)
-        call = _call(prep, op)
+        call = op_call(prep, op)
         burst = prep.fields.get("variant", label) == "flat"  # ours: a few launches per call
         return lambda r: measure_call(call, device, warmup if r == 0 else 0, per, burst)
 
@@ -288,151 +240,6 @@ def time_rounds(
     for label, op in keys:
         measures[(label, op)] = timed(label, op)
     return common.interleave(measures, rounds)
-
-
-def measure_call(call, device: torch.device, warmup: int, per: int, burst: bool) -> dict:
-    """One round of one row: its device time, host times and (``burst``) burst host times."""
-    return {
-        "time": common.device_time(call, device, warmup, per),
-        "host": common.host_times(call, device, per),
-        "burst": common.burst_host_times(call, device, bursts=BURSTS_PER_ROUND) if burst else None,
-    }
-
-
-# --- the stock arm in its own process -------------------------------------------------------
-
-CHILD_MODULE = "benchmarks.norm_clip"  # how the child imports this file, whatever it is here
-
-
-class StockArm:
-    """A variant built and run in a child process (:class:`isolation.Child`); the parent
-    holds nothing of it but the fields, and says what to run when.
-
-    Raises (every method): :class:`isolation.ChildFailed` when the call raised there,
-    :class:`isolation.ChildCrashed` when the child died.
-    """
-
-    def __init__(self, child: isolation.Child, inv: Inventory, label: str, device) -> None:
-        self.child = child
-        self.fields = child.call(f"{CHILD_MODULE}:_child_build", inv, label, str(device))
-
-    def check(self, op: str) -> dict:
-        return self.child.call(f"{CHILD_MODULE}:_child_check", op)
-
-    def measure(self, op: str, warmup: int, per: int) -> dict:
-        return self.child.call(f"{CHILD_MODULE}:_child_measure", op, warmup, per)
-
-    def syncs(self, op: str) -> int | None:
-        return self.child.call(f"{CHILD_MODULE}:_child_syncs", op)
-
-    def profile(self, op: str, calls: int) -> list[str]:
-        return self.child.call(f"{CHILD_MODULE}:_child_profile", op, calls)
-
-    def release(self) -> None:
-        with contextlib.suppress(isolation.ChildFailed, isolation.ChildCrashed):
-            self.child.call(f"{CHILD_MODULE}:_child_release")
-
-
-def _with_fault(prep: Prepared, kind: str | None) -> Prepared:
-    """``prep`` with the fault ``isolation.FAULT_ENV`` injects into its calls, if any."""
-    if kind is None:
-        return prep
-
-    def wrap(fn):
-        if fn is None:
-            return None
-
-        def faulty(*args):
-            isolation.fire(kind)  # abort or raise; a wrong norm is returned below
-            return fn(*args) * isolation.WRONG_NORM_FACTOR
-
-        return faulty
-
-    return dataclasses.replace(
-        prep, norm=wrap(prep.norm), clip=wrap(prep.clip), per_param=wrap(prep.per_param)
-    )
-
-
-def _child_build(state: dict, inv: Inventory, label: str, device_name: str) -> dict:
-    device = torch.device(device_name)
-    if device.type == "cuda" and "group" not in state:
-        # megatron's norm all-reduces over the default group: this process needs its own
-        torch.cuda.set_device(device)
-        state["group"] = contextlib.ExitStack()
-        store = Path(state["group"].enter_context(tempfile.TemporaryDirectory())) / "store"
-        state["group"].enter_context(common.single_rank_process_group(f"file://{store}"))
-    prep = VARIANTS[label](make_params(inv, device), device)
-    state["prep"], state["device"] = _with_fault(prep, isolation.injected_fault(inv.name)), device
-    return prep.fields
-
-
-def _child_check(state: dict, op: str) -> dict:
-    return check(state["prep"], op, state["device"])
-
-
-def _child_measure(state: dict, op: str, warmup: int, per: int) -> dict:
-    return measure_call(_call(state["prep"], op), state["device"], warmup, per, burst=False)
-
-
-def _child_syncs(state: dict, op: str) -> int | None:
-    return common.count_host_syncs(_call(state["prep"], op), state["device"])
-
-
-def _child_profile(state: dict, op: str, calls: int) -> list[str]:
-    return common.host_profile(_call(state["prep"], op), state["device"], calls)
-
-
-def _child_release(state: dict) -> None:
-    state.pop("prep", None)
-    release(state["device"])
-
-
-def failure_fields(exc: BaseException) -> dict:
-    """A failed cell's ``error``, ``error_at`` and ``status``: ``crashed (...)`` when its
-    process died, else ``failed (...)`` with the exception's first line."""
-    if isinstance(exc, isolation.ChildCrashed):
-        return {
-            "error": f"crashed: {exc}",
-            "error_at": "its own process",
-            "status": f"crashed ({exc})",
-        }
-    fields = exc.fields if isinstance(exc, isolation.ChildFailed) else common.error_fields(exc)
-    return fields | {"status": f"failed ({fields['error'].splitlines()[0]})"}
-
-
-def norm_status(rec: dict) -> str:
-    """``ok``, ``wrong norm (rel err X)`` past :data:`WRONG_NORM_REL_ERR` (or not finite),
-    the failure's status, or ``not checked``."""
-    if rec.get("status"):
-        return rec["status"]
-    if rec["error"] is not None:
-        return f"failed ({rec['error'].splitlines()[0]})"
-    errs = [rec[k] for k in ("rel_err", "per_param_rel_err") if rec.get(k) is not None]
-    if not errs:
-        return "not checked"
-    worst = max(e if math.isfinite(e) else math.inf for e in errs)
-    return f"wrong norm (rel err {worst:.1e})" if worst > WRONG_NORM_REL_ERR else "ok"
-
-
-def _host_fields(per_round: list[list[float]]) -> dict:
-    """Host time the way device time is reported, the fastest round's median (so on the
-    CPU, where both time the same call, they agree), and the 10th and 90th percentiles over
-    every round's calls (how noisy the machine was)."""
-    times = [t for r in per_round for t in r]
-    return {
-        "host_time_s": min(statistics.median(r) for r in per_round),
-        "host_time_p10_s": common.percentile(times, 10),
-        "host_time_p90_s": common.percentile(times, 90),
-    }
-
-
-def _timed_fields(per_round: list[dict]) -> dict:
-    bursts = [b for r in per_round for b in (r["burst"] or ())]
-    return (
-        common.round_fields("time", [r["time"] for r in per_round])
-        | _host_fields([r["host"] for r in per_round])
-        | {"host_time_burst_s": statistics.median(bursts) if bursts else None}
-    )
 
 
 def run_inventory(
@@ -502,7 +309,7 @@ def run_inventory(
         if key in errors:
             rec |= failure_fields(errors[key])
         elif key in results:
-            rec |= _timed_fields(results[key])
+            rec |= timed_fields(results[key])
             rec["ratio"] = rec["time_s"] / rec["floor_s"]
             prep, op = preps[key[0]], key[1]
             # after the rounds, as in training: a first call or a graph capture syncs
@@ -510,7 +317,7 @@ def run_inventory(
                 rec["host_syncs"] = (
                     prep.syncs(op)
                     if isinstance(prep, StockArm)
-                    else common.count_host_syncs(_call(prep, op), device)
+                    else common.count_host_syncs(op_call(prep, op), device)
                 )
             except Exception as exc:
                 rec |= failure_fields(exc)
@@ -519,7 +326,7 @@ def run_inventory(
                     rec["host_profile"] = (
                         prep.profile(op, profile_calls)
                         if isinstance(prep, StockArm)
-                        else common.host_profile(_call(prep, op), device, profile_calls)
+                        else common.host_profile(op_call(prep, op), device, profile_calls)
                     )
                 except Exception as exc:
                     rec |= failure_fields(exc)
@@ -532,157 +339,6 @@ def run_inventory(
     for rec in records.values():
         rec["status"] = norm_status(rec)
     return list(records.values())
-
-
-def release(device: torch.device) -> None:
-    """Free the previous variant's gradients before the next one allocates its own."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def row_label(rec: dict) -> str:
-    """``variant``, or ``variant/path`` for a variant's alternative route."""
-    return rec["variant"] if rec["path"] is None else f"{rec['variant']}/{rec['path']}"
-
-
-def _ratio_bars(ax, records: list[dict], op: str) -> None:
-    invs = list(dict.fromkeys(r["inventory"] for r in records))
-    labels = list(dict.fromkeys(row_label(r) for r in records))
-    width = 0.8 / max(1, len(labels))
-    for j, label in enumerate(labels):
-        by_inv = {r["inventory"]: r["ratio"] for r in records if row_label(r) == label}
-        xs = [i + j * width for i, inv in enumerate(invs) if by_inv.get(inv)]
-        heights = [by_inv[inv] for inv in invs if by_inv.get(inv)]
-        ax.bar(xs, heights, width, label=label, color=f"C{j}")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(invs))], invs)
-    ax.set_yscale("log")
-    ax.set_ylabel("time / floor (fastest round of each)")
-    ax.set_title(f"{op}: time over the memory floor (missing bar: error)")
-    ax.legend(fontsize=8)
-
-
-def _host_lines(ax, records: list[dict]) -> None:
-    for j, label in enumerate(dict.fromkeys(row_label(r) for r in records)):
-        for op, style in (("norm", "-"), ("clip", "--")):
-            pts = sorted(
-                (r["num_params"], r["host_time_s"] * 1e3)
-                for r in records
-                if row_label(r) == label and r["op"] == op and r["host_time_s"] is not None
-            )
-            if pts:
-                xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, style, color=f"C{j}", marker="o", label=f"{label} {op}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("parameters (fixed total bytes)")
-    ax.set_ylabel("host time per call (ms)")
-    ax.set_title("host cost against parameter count")
-    ax.legend(fontsize=7)
-
-
-def panels(records: list[dict]) -> list[tuple]:
-    """The plot's panels that have something to show: ``(draw, records, *args)`` each."""
-    model = [r for r in records if r["series"] == "model"]
-    out = []
-    for op in ("norm", "clip"):
-        rows = [r for r in model if r["op"] == op]
-        if any(r["ratio"] for r in rows):
-            out.append((_ratio_bars, rows, op))
-    scaling = [r for r in records if r["series"] == "scaling" and r["op"] in ("norm", "clip")]
-    if any(r["host_time_s"] for r in scaling):
-        out.append((_host_lines, scaling))
-    return out
-
-
-def plot(records: list[dict], out_dir: Path, title: str) -> Path:
-    """Ratio-to-floor bars for norm and clip, and host time against parameter count: the
-    panels this run has rows for (no empty panel; nothing at all: one that says so)."""
-    shown = panels(records)
-    fig, axes = common.new_figure(max(1, len(shown)))
-    for ax, (draw, *args) in zip(axes, shown, strict=False):
-        draw(ax, *args)
-    if not shown:
-        common.empty_panel(axes[0], "no norm or clip row was measured (see the error column)")
-    return common.save_figure(fig, out_dir, "norm_clip", title)
-
-
-TABLE = (
-    common.Column("inventory", "inventory"),
-    common.Column(
-        "variant",
-        "label",
-        meaning="megatron: megatron-core's get_grad_norm_fp32 + clip_grad_by_total_norm_fp32 "
-        "(without TE or Apex: its per-tensor fallback; megatron/cpu_reimpl: that algorithm "
-        "re-implemented for the CPU, where megatron-core's allocates on CUDA); upstream_fix: "
-        "grouped by dtype every call, one torch._foreach_norm per group (the nearest stand-in "
-        "for transformer-engine's fused multi-tensor L2 norm); torch: torch.nn.utils "
-        "get_total_norm / clip_grad_norm_, foreach; flat: ours (flat/megatron_spans: through "
-        "megatron_ext's DDP buffers and spans)",
-    ),
-    common.Column("op", "op", meaning="clip_noop: a clip whose coefficient clamps to 1"),
-    common.Column("params", "num_params"),
-    common.Column("MiB", "bytes", common.show_mib),
-    common.Column(
-        "time ms",
-        "time_s",
-        common.show_ms,
-        "median per call in the row's fastest round: CUDA events on CUDA, wall time on the CPU",
-    ),
-    common.Column(
-        "spread",
-        "time_spread",
-        lambda v: f"{v:.0%}",
-        "(slowest - fastest) / fastest of the row's interleaved rounds",
-    ),
-    common.Column(
-        "host us",
-        "host_time_s",
-        lambda v: f"{v * 1e6:.0f}",
-        "host time to issue one call, the device drained before it: median in the fastest "
-        "round (on the CPU the same call as time ms, so the two agree up to noise)",
-    ),
-    common.Column(
-        "p10-p90 us", "host_range", meaning="10th to 90th percentile of host us, all rounds"
-    ),
-    common.Column(
-        "burst us",
-        "host_time_burst_s",
-        lambda v: f"{v * 1e6:.0f}",
-        "host us per call when 20 calls are issued back to back (flat rows only)",
-    ),
-    common.Column(
-        "floor ms",
-        "floor_s",
-        common.show_ms,
-        "memory floor from the copy bandwidth measured in this run (its fastest round, "
-        "interleaved with the rows): bytes / bandwidth for norm and clip_noop, 3 x bytes / "
-        "bandwidth for clip (read for the norm, read + write to scale)",
-    ),
-    common.Column("ratio", "ratio", lambda v: f"{v:.2f}", "time ms / floor ms"),
-    common.Column("syncs", "host_syncs", meaning="host waits for the GPU in one call (CUDA only)"),
-    common.Column("norm", "norm", lambda v: f"{v:.6g}", "the pre-clip norm the call returned"),
-    common.Column(
-        "rel err",
-        "rel_err",
-        lambda v: f"{v:.1e}",
-        "|norm - reference| / reference; reference: the fp64 norm of the same gradients",
-    ),
-    common.Column(
-        "pp rel err",
-        "per_param_rel_err",
-        lambda v: f"{v:.1e}",
-        "per_param rows: the largest |norm - reference| / reference over the parameters",
-    ),
-    common.Column(
-        "status",
-        "status",
-        lambda v: v[:60],
-        f"ok; wrong norm (rel err past {WRONG_NORM_REL_ERR:.0e}); failed (the exception); crashed "
-        "(its process died: the stock rows run in a process of their own)",
-    ),
-)
 
 
 def run(args, device: torch.device) -> list[dict]:
@@ -714,112 +370,6 @@ def run(args, device: torch.device) -> list[dict]:
     return records
 
 
-def spreads(records: list[dict]) -> dict[str, float]:
-    """Every measurement's spread over its rounds: each row's time, each inventory's copy."""
-    out = {}
-    for r in records:
-        if r["time_spread"] is not None:
-            out[f"{r['inventory']} {row_label(r)} {r['op']}"] = r["time_spread"]
-        if r["floor_spread"] is not None:
-            out[f"{r['inventory']} copy (floor)"] = r["floor_spread"]
-    return out
-
-
-def _table_fields(rec: dict) -> dict:
-    out = {"label": row_label(rec)}
-    if rec.get("host_time_p10_s") is not None:
-        p10, p90 = rec["host_time_p10_s"] * 1e6, rec["host_time_p90_s"] * 1e6
-        out["host_range"] = f"{p10:.0f}-{p90:.0f}"
-    return out
-
-
-# Summary column headers for row labels too wide for a 100-column summary.
-SHORT_LABELS = {
-    "megatron/cpu_reimpl": "megatron*",
-    "upstream_fix": "upstream",
-    "flat/megatron_spans": "flat/spans",
-}
-OURS = "flat"
-SUMMARY_WIDTH = 100
-MAX_NOTES = 4
-
-
-def _peer_cell(peer: dict | None, ours: dict | None) -> str:
-    if peer is None:
-        return "-"
-    status = peer["status"] or ""
-    for prefix in ("crashed", "failed", "wrong"):
-        if status.startswith(prefix):
-            return prefix
-    if ours is None or not ours["time_s"] or not peer["time_s"]:
-        return "-"
-    return _times(peer["time_s"] / ours["time_s"])
-
-
-def _times(ratio: float) -> str:
-    return f"{ratio:.2f}x" if ratio < 0.1 else f"{ratio:.1f}x"
-
-
-def summary(records: list[dict], noise: str, full_path: Path) -> str:
-    """The compact table: per inventory and op, ours (ms, over its floor, its norm's error)
-    and each peer's time over ours, a median row, and one line per kind of failure.
-
-    Returns:
-        Lines of at most :data:`SUMMARY_WIDTH` characters.
-    """
-    by = {(r["inventory"], r["op"], row_label(r)): r for r in records}
-    peers = [lb for lb in dict.fromkeys(row_label(r) for r in records) if lb != OURS]
-    cells = {(inv, op): None for inv, op, _ in by}
-    rows, ratios = [], {p: [] for p in peers}
-    for inv, op in cells:
-        ours = by.get((inv, op, OURS))
-        ok = ours is not None and ours["status"] == "ok" and ours["time_s"]
-        row = {
-            "inventory": inv,
-            "op": op,
-            "ours": common.show_ms(ours["time_s"]) if ok else (ours or {}).get("status") or "-",
-            "floor": f"{ours['ratio']:.1f}" if ok and ours["ratio"] else "-",
-            "err": f"{ours['rel_err']:.0e}" if ok and ours["rel_err"] is not None else "-",
-        }
-        for p in peers:
-            row[p] = _peer_cell(by.get((inv, op, p)), ours if ok else None)
-            if row[p].endswith("x"):
-                ratios[p].append(float(row[p][:-1]))
-        rows.append(row)
-    rows.append(
-        {"inventory": "median", "op": "all"}
-        | {p: _times(statistics.median(v)) if v else "-" for p, v in ratios.items()}
-    )
-    columns = [
-        common.Column("inventory", "inventory"),
-        common.Column("op", "op"),
-        common.Column("ours ms", "ours", lambda v: v[:9]),
-        *(common.Column(SHORT_LABELS.get(p, p[:10]), p) for p in peers),
-        common.Column("ours/floor", "floor"),
-        common.Column("ours err", "err"),
-    ]
-    lines = [
-        noise,
-        "peer columns: the peer's time over ours, fastest rounds (above 1: ours faster)",
-        *common.format_table(rows, columns).splitlines(),
-    ]
-    if "megatron/cpu_reimpl" in peers:
-        lines.append("megatron*: megatron-core's per-tensor algorithm, re-implemented for the CPU")
-    failures: dict[tuple[str, str], list[str]] = {}
-    for r in records:
-        if r["status"] != "ok":
-            failures.setdefault((row_label(r), r["status"]), []).append(r["inventory"])
-    for (label, status), invs in list(failures.items())[:MAX_NOTES]:
-        where = ", ".join(dict.fromkeys(invs))
-        lines.append(f"{label} at {where}: {status}")
-    if len(failures) > MAX_NOTES:
-        lines.append(f"and {len(failures) - MAX_NOTES} more kinds of failure (see the full table)")
-    lines.append(f"full table: {full_path}")
-    return "\n".join(
-        ln if len(ln) <= SUMMARY_WIDTH else ln[: SUMMARY_WIDTH - 3] + "..." for ln in lines
-    )
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the benchmark, write JSON, PNG and the full table, print the summary (or the
     full table with ``--table full``); returns the records."""
@@ -839,7 +389,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     json_path = common.write_json(records, args.out, "norm_clip")
     png_path = plot(records, args.out, title)
     noise = common.noise_line(spreads(records), common.rounds(args, device), device)
-    full = common.format_table([r | _table_fields(r) for r in records], TABLE)
+    full = common.format_table([r | table_fields(r) for r in records], TABLE)
     txt_path = common.write_text(f"{title}\n{noise}\n\n{full}", args.out, "norm_clip")
     print(f"wrote {json_path}, {png_path} and {txt_path}", file=sys.stderr)
     if args.table == "full":

@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 import torch
 
 from benchmarks import common
+from buffers.plan import ALIGN  # megatron-core's parameter alignment too
 from buffers.spans import Span
 from megatron_ext.offload import host_mirror
 from megatron_ext.offload import native as offload_native
@@ -84,7 +85,6 @@ from megatron_ext.offload.step import (
 
 NAME = "offload_step"
 PHASES = ("d2h", "wait", "convert", "cpu_update", "pack", "h2d", "gpu_update")
-ALIGN = 64  # megatron-core pads each parameter's start in the buffer to 64 elements
 ADAM = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 

@@ -213,6 +213,8 @@ class BindingWatch:
             if watch is None:
                 return
             q = ref()
+            if q is None:  # the parameter is gone; its hook with it
+                return
             now = q.grad
             if now is None:
                 if binding.taken:
@@ -438,10 +440,10 @@ class BindingWatch:
         lines = [problem.render(names) for problem, names in ordered[:MAX_CAUSES]]
         if len(ordered) > MAX_CAUSES:
             rest = sum(len(names) for _, names in ordered[MAX_CAUSES:])
-            causes = len(ordered) - MAX_CAUSES
+            others = len(ordered) - MAX_CAUSES
             lines.append(
                 f"and {rest} more parameter{'s' * (rest > 1)} with "
-                f"{'another cause' if causes == 1 else f'{causes} other causes'}: "
+                f"{'another cause' if others == 1 else f'{others} other causes'}: "
                 "fgb.check_bindings() reports them once these are fixed"
             )
         return "\n".join(lines)

@@ -35,7 +35,12 @@ class MixedModel(torch.nn.Module):
 
 
 def reference_norm(model: torch.nn.Module) -> float:
-    return sum(p.grad.double().square().sum() for p in model.parameters()).sqrt().item()
+    sums = []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            raise ValueError(f"parameter {name!r} has no gradient: run backward first")
+        sums.append(p.grad.double().square().sum())
+    return sum(sums[1:], sums[0]).sqrt().item()
 
 
 def _steps(text: str) -> int:

@@ -23,14 +23,39 @@ match one for one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
+from torch.profiler import record_function
 
 from . import ops
 from .options import DEFAULT, BufferOptions
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+# Profiler ranges (as FSDP2's "FSDP::..."), around the launches only: entering one is a
+# host-side record, no device work and no sync. The norm's (the local statistic, the
+# reduction when it runs between replays, the root), and the clip's (norm and scale, or the
+# scale by a given norm, or the fold's coefficient).
+NORM_RANGE = "buffers::grad_norm"
+CLIP_RANGE = "buffers::clip"
+_NO_RANGE = contextlib.nullcontext()
+
+
+def profiler_range(name: str) -> contextlib.AbstractContextManager:
+    """A profiler range named ``name`` while a profiler records; otherwise nothing.
+
+    Entering a ``record_function`` runs a dispatcher op even when no profiler listens,
+    which on the hot path costs about as much as the small launches it would wrap; the
+    check whether a profiler is on is one flag read.
+    """
+    return record_function(name) if torch.autograd._profiler_enabled() else _NO_RANGE
+
 
 _EAGER = object()  # marks a key whose capture failed: always run eagerly
 
@@ -136,7 +161,7 @@ class GraphReplayer:
         self.device = device
         self.options = options
         self._graphs: dict[object, object] = {}
-        self._pool = None
+        self._pool: _POOL_HANDLE | None = None
         self.captures = 0  # how many graphs were captured (tests and benchmarks read it)
         self.invalidations = 0  # how many times moved storage dropped the graphs
         reps: dict[int, torch.Tensor] = {}
@@ -174,7 +199,7 @@ class GraphReplayer:
             if entry is _EAGER:
                 return fn()
             self._captured_at = signature
-        graph, out = entry
+        graph, out = cast(tuple[torch.cuda.CUDAGraph, torch.Tensor], entry)
         graph.replay()
         return out
 
@@ -284,11 +309,13 @@ class NormClip:
 
     def local_stat(self, p: float) -> torch.Tensor:
         """This rank's sum of |x|^p (:func:`buffers.ops.local_power_stat`): 0-dim, fresh."""
-        return self.replay(("stat", p), lambda: self._stat(p)).clone()
+        with profiler_range(NORM_RANGE):
+            return self.replay(("stat", p), lambda: self._stat(p)).clone()
 
     def norm(self, p: float) -> torch.Tensor:
         """The local p-norm (no reduction across ranks): a fresh tensor."""
-        return self.replay(("norm", p), lambda: ops.finish_norm(self._stat(p), p)).clone()
+        with profiler_range(NORM_RANGE):
+            return self.replay(("norm", p), lambda: ops.finish_norm(self._stat(p), p)).clone()
 
     def clip_(self, max_norm: float, p: float) -> torch.Tensor:
         """Local norm, then every scale view times ``min(max_norm / (norm + 1e-6), 1)``.
@@ -300,7 +327,8 @@ class NormClip:
         def run() -> torch.Tensor:
             return self._clip_to_max(ops.finish_norm(self._stat(p), p))
 
-        return self.replay(("clip", p), run).clone()
+        with profiler_range(CLIP_RANGE):
+            return self.replay(("clip", p), run).clone()
 
     def fold_(self, max_norm: float, p: float, total_norm: torch.Tensor | None = None):
         """Write ``1 / clip coefficient`` into :attr:`inverse_coeff`; return the norm.
@@ -310,6 +338,10 @@ class NormClip:
         ``total_norm`` given (e.g. all-reduced) it is used; else the local norm is computed.
         Returns the pre-clip norm (a fresh tensor).
         """
+        with profiler_range(CLIP_RANGE):
+            return self._fold(max_norm, p, total_norm)
+
+    def _fold(self, max_norm: float, p: float, total_norm: torch.Tensor | None) -> torch.Tensor:
         self._set_max(max_norm)
 
         def inverse(total: torch.Tensor) -> None:
@@ -348,10 +380,12 @@ class NormClip:
         only for the same key, so a call over another group never replays this one's
         all-reduce. Returns a fresh tensor.
         """
-        if capture_reduce:
-            key = ("norm_reduced", p, reduce_key)
-            return self.replay(key, lambda: ops.finish_norm(reduce(self._stat(p)), p)).clone()
-        return ops.finish_norm(reduce(self.local_stat(p)), p)
+        with profiler_range(NORM_RANGE):
+            if capture_reduce:
+                key = ("norm_reduced", p, reduce_key)
+                return self.replay(key, lambda: ops.finish_norm(reduce(self._stat(p)), p)).clone()
+            stat = self.replay(("stat", p), lambda: self._stat(p)).clone()
+            return ops.finish_norm(reduce(stat), p)
 
     def clip_reduced_(
         self,
@@ -370,6 +404,17 @@ class NormClip:
         collective per call on every rank). ``reduce_key``: as in :meth:`norm_reduced`.
         Returns the pre-clip norm (a fresh tensor).
         """
+        with profiler_range(CLIP_RANGE):
+            return self._clip_reduced(max_norm, p, reduce, capture_reduce, reduce_key)
+
+    def _clip_reduced(
+        self,
+        max_norm: float,
+        p: float,
+        reduce: Callable[[torch.Tensor], torch.Tensor],
+        capture_reduce: bool,
+        reduce_key: object,
+    ) -> torch.Tensor:
         self._set_max(max_norm)
         if capture_reduce:
 
@@ -389,6 +434,7 @@ class NormClip:
 
     def scale_by_norm_(self, total_norm: torch.Tensor, max_norm: float) -> None:
         """Scale by the clip coefficient of a given (e.g. all-reduced) norm tensor."""
-        self._set_max(max_norm)
-        self._norm_in.copy_(total_norm)
-        self.replay(("scale",), lambda: self._clip_to_max(self._norm_in))
+        with profiler_range(CLIP_RANGE):
+            self._set_max(max_norm)
+            self._norm_in.copy_(total_norm)
+            self.replay(("scale",), lambda: self._clip_to_max(self._norm_in))

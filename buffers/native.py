@@ -118,7 +118,11 @@ class CpuSums:
             return 0.0
         pieces, out, fn = call
         step = pieces if torch.get_num_threads() == 1 else TASK_PIECES
-        run([lambda q=q: fn(q, min(q + step, pieces)) for q in range(0, pieces, step)])
+
+        def task(first: int) -> Callable[[], None]:
+            return lambda: fn(first, min(first + step, pieces))
+
+        run([task(q) for q in range(0, pieces, step)])
         result = 0.0
         for part in out:
             result += part

@@ -16,6 +16,7 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -312,8 +313,8 @@ def run_pieces(tasks: Sequence) -> list:
     The calling thread and ``torch.get_num_threads() - 1`` helper threads take tasks one by
     one from a shared counter, every op on one thread (:func:`single_thread`). Torch's own
     multi-threaded ops wait for all their threads at every op: with the cores busy with
-    other processes each can stall for a scheduler time slice (measured on a 2-core
-    machine: ~100 such ops took 250-600 ms instead of ~10). Here the caller never waits for
+    other processes each can stall for a scheduler time slice (docs/RESULTS.md, "cpu_norm
+    on the 2-core CPU dev machine", has the measurement). Here the caller never waits for
     a helper that has not started (it takes the tasks itself), only for tasks already
     running; idle, the helpers share the work as torch's threads would. With one thread,
     one task, or a torch built without OpenMP, the tasks run on the calling thread.
@@ -379,8 +380,46 @@ def single_thread():
         torch.set_num_threads(n)
 
 
+class KernelBackend(Protocol):
+    """The kernels one homogeneous list of views (one flat buffer's) goes through: norm
+    statistic, scale, per-slot statistics, and what each caches at construction.
+
+    :class:`TorchBackend` implements every method with torch's own kernels; the Triton and
+    transformer-engine backends implement what they accelerate and hand the rest to it.
+    """
+
+    name: str
+
+    def power_sum(self, views: Sequence[torch.Tensor], p: float) -> torch.Tensor:
+        """Sum of |x|^p over ``views`` as :meth:`TorchBackend.power_sum` defines it."""
+        ...
+
+    def scale_(self, views: Sequence[torch.Tensor], coeff: torch.Tensor) -> None:
+        """Multiply every element of ``views`` by the 0-dim ``coeff``, in place."""
+        ...
+
+    def prepare(self, views: Sequence[torch.Tensor]) -> None:
+        """Build whatever per-span state the backend caches (called at construction)."""
+        ...
+
+    def segment_stats_(
+        self,
+        buf: torch.Tensor,
+        table: SegmentTable,
+        p: float,
+        out: torch.Tensor,
+        nan: torch.Tensor,
+    ) -> None:
+        """Add each parameter slot's sum of |x|^p (max |x| for inf) into ``out[id]``."""
+        ...
+
+    def prepare_segments(self, buf: torch.Tensor, table: SegmentTable) -> None:
+        """Build whatever per-table state the backend caches (called at construction)."""
+        ...
+
+
 class TorchBackend:
-    """torch's own kernels; CPU and CUDA."""
+    """torch's own kernels; CPU and CUDA. Every :class:`KernelBackend` method."""
 
     name = "torch"
 
@@ -454,7 +493,7 @@ class TorchBackend:
         """Build whatever per-table state the backend caches (called at construction)."""
 
 
-class TritonBackend(TorchBackend):
+class TritonBackend:
     """Triton kernels for p = 2 and scaling, over all spans of one buffer in one launch.
 
     Used when every view of a list is a 1-D slice of the same contiguous 1-D buffer of
@@ -464,6 +503,7 @@ class TritonBackend(TorchBackend):
     name = "triton"
 
     def __init__(self) -> None:
+        self._torch = TorchBackend()
         self._tables: dict[tuple, object] = {}
         self._segment_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -478,8 +518,8 @@ class TritonBackend(TorchBackend):
             vroot = v._base if v._base is not None else v
             if vroot.data_ptr() != root.data_ptr() or v.dim() != 1 or not v.is_contiguous():
                 return None, None
-            lo = v.storage_offset() - root.storage_offset()
-            spans.append((lo, lo + v.numel()))
+            lo = int(v.storage_offset() - root.storage_offset())  # a SymInt only when traced
+            spans.append((lo, lo + int(v.numel())))
         # The table depends only on offsets, so it is shared by buffers with the same spans.
         key = (root.device, tuple(spans))
         if key not in self._tables:
@@ -491,12 +531,12 @@ class TritonBackend(TorchBackend):
             root, table = self._table(views)
             if table is not None:
                 return table.sumsq(root)
-        return super().power_sum(views, p)
+        return self._torch.power_sum(views, p)
 
     def scale_(self, views: Sequence[torch.Tensor], coeff: torch.Tensor) -> None:
         root, table = self._table(views)
         if table is None:
-            return super().scale_(views, coeff)
+            return self._torch.scale_(views, coeff)
         table.scale_(root, coeff.float())
 
     def prepare(self, views: Sequence[torch.Tensor]) -> None:
@@ -517,7 +557,7 @@ class TritonBackend(TorchBackend):
     def segment_stats_(self, buf, table, p, out, nan) -> None:
         spans = self._slot_spans(buf, table) if p == 2.0 else None
         if spans is None:
-            return super().segment_stats_(buf, table, p, out, nan)
+            return self._torch.segment_stats_(buf, table, p, out, nan)
         # One launch over every slot's tiles (tiles never cross a slot), one more adding
         # each slot's tile partials in fp64; then one index_add_ of a value per slot (one
         # per parameter: no two atomics on one address in the usual one-slot case).
@@ -527,7 +567,7 @@ class TritonBackend(TorchBackend):
         self._slot_spans(buf, table)
 
 
-class TransformerEngineBackend(TorchBackend):
+class TransformerEngineBackend:
     """transformer-engine's multi-tensor L2 norm for p = 2; torch for everything else.
 
     The kernel functions are injected (``applier``, ``l2norm``) so the logic around them is
@@ -538,24 +578,37 @@ class TransformerEngineBackend(TorchBackend):
     name = "transformer_engine"
 
     def __init__(self, applier, l2norm, device: torch.device) -> None:
+        self._torch = TorchBackend()
         self._applier = applier
         self._l2norm = l2norm
         self._overflow = torch.zeros(1, dtype=torch.int32, device=device)
 
     def power_sum(self, views: Sequence[torch.Tensor], p: float) -> torch.Tensor:
         if p != 2.0:
-            return super().power_sum(views, p)
+            return self._torch.power_sum(views, p)
         # TE reads every tensor of one launch with the first tensor's dtype: the list is
         # homogeneous by construction (one buffer), which is what makes this call safe.
         norm, _ = self._applier(self._l2norm, self._overflow, [list(views)], False)
         return norm.float().square().sum()
 
+    def scale_(self, views: Sequence[torch.Tensor], coeff: torch.Tensor) -> None:
+        self._torch.scale_(views, coeff)
+
+    def prepare(self, views: Sequence[torch.Tensor]) -> None:
+        self._torch.prepare(views)
+
+    def segment_stats_(self, buf, table, p, out, nan) -> None:
+        self._torch.segment_stats_(buf, table, p, out, nan)
+
+    def prepare_segments(self, buf: torch.Tensor, table: SegmentTable) -> None:
+        self._torch.prepare_segments(buf, table)
+
 
 _TORCH = TorchBackend()
-_CUDA_CACHE: dict[tuple[torch.device, str], TorchBackend] = {}
+_CUDA_CACHE: dict[tuple[torch.device, str], KernelBackend] = {}
 
 
-def _load_triton() -> TorchBackend | None:
+def _load_triton() -> KernelBackend | None:
     try:
         from . import triton_kernels  # noqa: F401
     except ImportError:
@@ -563,7 +616,7 @@ def _load_triton() -> TorchBackend | None:
     return TritonBackend()
 
 
-def _load_te(device: torch.device) -> TorchBackend | None:
+def _load_te(device: torch.device) -> KernelBackend | None:
     try:
         import transformer_engine_torch as tex
         from transformer_engine.pytorch.optimizers import multi_tensor_applier
@@ -572,7 +625,7 @@ def _load_te(device: torch.device) -> TorchBackend | None:
     return TransformerEngineBackend(multi_tensor_applier, tex.multi_tensor_l2norm, device)
 
 
-def backend_for(device: torch.device, options: BufferOptions = DEFAULT) -> TorchBackend:
+def backend_for(device: torch.device, options: BufferOptions = DEFAULT) -> KernelBackend:
     """The backend for tensors on ``device``, chosen by ``options.backend``
     (``BUFFERS_BACKEND`` overrides it).
 

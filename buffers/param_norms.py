@@ -380,6 +380,8 @@ class ParamStats:
         # The reducer's group and whether a graph may hold its all-reduce; the vector goes
         # over the wire in fp64 as it is (every rank's local() is fp64), not cast to fp32
         # and back as a total norm's stat is.
+        if reducer is None:
+            raise ValueError("norms() over a group takes that group's GroupReducer.args()")
         _, capture_reduce, reduce_key = reducer
 
         def reduce(vec: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,14 @@ import torch
 
 from .spans import Span
 
+# Every slot starts at a multiple of this many elements and every buffer's length is one.
+# It is the boundary megatron-core pads each parameter's start to in its gradient buffers
+# (with the distributed optimizer: ``pad_param_start`` in megatron/core/optimizer/
+# param_layout.py, where it is written once too; tests/test_megatron_spans.py checks they
+# agree); megatron_ext's fp32 islands space their parameters by it as well. 64 elements
+# are a whole number of 128-byte lines for every dtype we hold.
+ALIGN = 64
+
 SUPPORTED_GRAD_DTYPES: tuple[torch.dtype, ...] = (
     torch.bfloat16,
     torch.float16,
@@ -111,7 +119,7 @@ def check_grad_dtype(dtype: torch.dtype, what: str) -> None:
         )
 
 
-def plan_layout(entries: Sequence[ParamEntry], align: int = 64) -> LayoutPlan:
+def plan_layout(entries: Sequence[ParamEntry], align: int = ALIGN) -> LayoutPlan:
     """Lay out gradients in one flat buffer per dtype.
 
     Within a buffer, counted parameters come first (in input order), then uncounted ones,

@@ -19,8 +19,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .triton_kernels import TileTable
 
 BLOCK = 2048  # elements per block (a power of two)
 
@@ -193,9 +197,9 @@ class SpanSegments:
         ids = [i for _, _, i in self.spans]
         self.ids = torch.tensor(ids, dtype=torch.int64).to(base.device)
         self.distinct = len(set(ids)) == len(ids)  # then the Triton sum adds in place
-        self._tiles = None
+        self._tiles: TileTable | None = None
 
-    def tiles(self):
+    def tiles(self) -> TileTable:
         """The Triton tile table of these spans, cut short at each span (built once)."""
         if self._tiles is None:
             from . import triton_kernels as tk

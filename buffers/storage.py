@@ -15,7 +15,7 @@ from .bindings import BindingWatch, GradientOutsideBufferError, refuse_bucket_vi
 from .graphs import NormClip
 from .options import DEFAULT, BufferOptions
 from .param_norms import ParamNormPass, ParamNorms
-from .plan import LayoutPlan, ParamEntry, check_grad_dtype, plan_layout
+from .plan import ALIGN, LayoutPlan, ParamEntry, check_grad_dtype, plan_layout
 from .registrations import ModuleWatch, model_root
 
 __all__ = ["FlatGradBuffers", "GradientOutsideBufferError"]
@@ -25,7 +25,9 @@ ParamsArg = (
 )
 
 
-def _named(params: ParamsArg) -> list[tuple[str, torch.Tensor]]:
+def _named(
+    params: torch.Tensor | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
     if isinstance(params, torch.Tensor):  # one parameter, as torch's clip_grad_norm_ takes
         params = [params]
     out = []
@@ -81,7 +83,7 @@ class FlatGradBuffers:
         params: ParamsArg,
         *,
         counted: Callable[[torch.Tensor], bool] | None = None,
-        align: int = 64,
+        align: int = ALIGN,
         device: torch.device | str | None = None,
         options: BufferOptions = DEFAULT,
     ) -> None:
@@ -97,7 +99,7 @@ class FlatGradBuffers:
             )
         options.check_environment()
         self.options = options
-        trained, frozen = _sort(named)
+        trained, frozen = _checked_trained_and_frozen(named)
         if named and not trained:
             warnings.warn(
                 f"none of the {len(named)} parameters given to FlatGradBuffers requires grad: "
@@ -306,14 +308,13 @@ class FlatGradBuffers:
         _check_call_args(error_if_nonfinite, foreach, group, per_param)
         p = ops.check_torch_norm_type(norm_type)
         self._check_bound()
-        result = self._norm(p, group, per_param)
+        result = self._param_norms(p, group) if per_param else self._total_norm(p, group)
         if error_if_nonfinite:
-            _raise_if_nonfinite(result.total if per_param else result, norm_type)
+            total = result.total if isinstance(result, ParamNorms) else result
+            _raise_if_nonfinite(total, norm_type)
         return result
 
-    def _norm(self, p: float, group, per_param: bool) -> torch.Tensor | ParamNorms:
-        if per_param:
-            return self._param_norms(p, group)
+    def _total_norm(self, p: float, group) -> torch.Tensor:
         if group is None:
             return self._norm_clip.norm(p)
         # Built per call, not kept: holding the group past destroy_process_group() can
@@ -327,10 +328,11 @@ class FlatGradBuffers:
             self._param_pass = ParamNormPass(
                 self.plan, self.buffers, self._names, self.device, self.options
             )
-        if group is None:
-            return self._param_pass.norms(p, self._norm_clip.replay)
-        reducer = graphs.GroupReducer(p, group, self.device, self.options)
-        return self._param_pass.norms(p, self._norm_clip.replay, group, reducer.args())
+        with graphs.profiler_range(graphs.NORM_RANGE):
+            if group is None:
+                return self._param_pass.norms(p, self._norm_clip.replay)
+            reducer = graphs.GroupReducer(p, group, self.device, self.options)
+            return self._param_pass.norms(p, self._norm_clip.replay, group, reducer.args())
 
     @overload
     def clip_grad_norm_(
@@ -399,8 +401,8 @@ class FlatGradBuffers:
                 return self._norm_clip.clip_(max_norm, p)
             reducer = graphs.GroupReducer(p, group, self.device, self.options)
             return self._norm_clip.clip_reduced_(max_norm, p, *reducer.args())
-        result = self._norm(p, group, per_param)
-        total = result.total if per_param else result
+        result = self._param_norms(p, group) if per_param else self._total_norm(p, group)
+        total = result.total if isinstance(result, ParamNorms) else result
         if error_if_nonfinite:
             _raise_if_nonfinite(total, norm_type)
         self._norm_clip.scale_by_norm_(total, max_norm)
@@ -422,14 +424,15 @@ class FlatGradBuffers:
         in as its ``grad_scale`` (a device scalar the fused kernel divides gradients by, as
         it does for ``GradScaler``), so there is no separate scale launch reading and
         writing the gradients; torch's kernel writes the divided gradients back, so
-        ``.grad`` ends up clipped as after an explicit clip. Measured on an H200 with torch 2.11
-        (``benchmarks/clip_step.py``, docs/RESULTS.md) folding was *slower* than the
-        explicit clip (2.5 ms against 1.6 ms on top of the step for 2 GiB of gradients), so
-        it is off by default. Otherwise, and for any other optimizer: ``clip_grad_norm_``
-        and then ``step()``. Either way every parameter the optimizer holds must have its
-        gradient in these buffers, or the norm would not count it (``ValueError``); this is
-        checked again whenever the optimizer's parameters change (one pass over their ids
-        per call), and an optimizer parameter that is frozen now is watched by a hook.
+        ``.grad`` ends up clipped as after an explicit clip. It is off by default: torch's
+        fused step reading a ``grad_scale`` costs more than our scale kernel does, so the
+        fold measured slower than the explicit clip (``benchmarks/clip_step.py``; the
+        numbers are in docs/RESULTS.md, "clip_step"). Otherwise, and for any other
+        optimizer: ``clip_grad_norm_`` and then ``step()``. Either way every parameter the
+        optimizer holds must have its gradient in these buffers, or the norm would not
+        count it (``ValueError``); this is checked again whenever the optimizer's
+        parameters change (one pass over their ids per call), and an optimizer parameter
+        that is frozen now is watched by a hook.
         ``group`` and ``fold`` are keyword-only; every argument is checked as in
         :meth:`clip_grad_norm_`, before anything runs.
         """
@@ -443,13 +446,14 @@ class FlatGradBuffers:
             total = self.clip_grad_norm_(max_norm, p, group=group)
             optimizer.step()
             return total
-        given = None if group is None else self._norm(p, group, False)
+        given = None if group is None else self._total_norm(p, group)
         total = self._norm_clip.fold_(max_norm, p, given)
-        optimizer.grad_scale = self._norm_clip.inverse_coeff
+        # torch's fused Adam reads this attribute, which its stubs do not declare
+        optimizer.grad_scale = self._norm_clip.inverse_coeff  # type: ignore[attr-defined]
         try:
             optimizer.step()
         finally:
-            del optimizer.grad_scale
+            del optimizer.grad_scale  # type: ignore[attr-defined]
         return total
 
     @staticmethod
@@ -477,7 +481,7 @@ class FlatGradBuffers:
                     f"{q.dtype})"
                 )
                 outsider = watch.outsiders.get(id(q))
-                if outsider is not None and outsider[0]() is q and q.requires_grad:
+                if q.requires_grad and outsider is not None and outsider[0]() is q:
                     raise ValueError(f"{where}: {watch.outsider_message(id(q))}")
                 if q.requires_grad:
                     raise ValueError(
@@ -514,10 +518,16 @@ class FlatGradBuffers:
         return f"FlatGradBuffers({len(self._names)} params; {sizes}; {self.nbytes} bytes)"
 
 
-def _sort(
+def _checked_trained_and_frozen(
     named: list[tuple[str, torch.Tensor]],
 ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-    """``(trained, frozen)``, each parameter once; every trained one checked first."""
+    """Check each parameter (a leaf tensor; if trained, of a gradient dtype we hold) and
+    split them into ``(trained, frozen)``, each parameter once, in the given order.
+
+    Raises:
+        ValueError: a parameter is not a leaf tensor.
+        TypeError: a trained parameter's dtype has no flat buffer.
+    """
     seen: set[int] = set()
     trained, frozen = [], []
     for name, p in named:

@@ -154,7 +154,8 @@ class TileTable:
         # the merged spans of the plain norm keep the kernel as measured).
         self.short = short
         # Offsets only: the same table serves any buffer with these spans (``base`` at call).
-        core, edges = [], []
+        core: list[tuple[int, int]] = []
+        edges: list[tuple[int, int]] = []
         core_run, edge_run = [], []  # per span: its tiles' index range
         for lo, hi in spans:
             c, e = split_span(lo, hi)

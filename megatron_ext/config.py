@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from . import seam
 
-_MCoreDDPConfig = seam.target("DistributedDataParallelConfig")
+_MCoreDDPConfig: Any = seam.target("DistributedDataParallelConfig")
 
 
 @dataclass

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import replace
+from typing import Any
 
 import torch
 
+from buffers.plan import ALIGN
+
 from . import seam, wgrad_fusion
+from .counted_spans import GradRecord, exclusion_reason
 from .fp32 import align_router_inputs, cast_marked_to_fp32
 from .layout import BufferKey, BufferLayout, ChunkLayout, buffer_layout, record_params
-from .spans import GradRecord, exclusion_reason
 
-_MCoreDDP = seam.target("DistributedDataParallel")
-ALIGN = 64  # elements; Megatron aligns every parameter's start to 64 elements too
+_MCoreDDP: Any = seam.target("DistributedDataParallel")
 
 
 class LayoutMismatchError(RuntimeError):
@@ -120,9 +122,9 @@ class DistributedDataParallel(_MCoreDDP):
         Per group, not per buffer: a rank with an extra buffer (other fp32 patterns, say)
         would otherwise issue one collective more than its peers and hang them.
         """
-        if not torch.distributed.is_initialized():
+        if not torch.distributed.is_initialized() or self.layout is None:
             return
-        by_group: dict[int, tuple[object, list[BufferLayout]]] = {}
+        by_group: dict[int, tuple[Any, list[BufferLayout]]] = {}  # (process group, ...)
         for name in ("intra_dp_cp_group", "intra_expt_dp_group"):
             group = getattr(self, name, None)
             if group is not None:
@@ -148,7 +150,7 @@ class DistributedDataParallel(_MCoreDDP):
             torch.distributed.all_gather(gathered, mine, group=group)
             if all(int(g) == digest for g in gathered):
                 continue
-            everyone = [None] * group.size()
+            everyone: list[Any] = [None] * group.size()
             torch.distributed.all_gather_object(everyone, rows, group=group)
             raise LayoutMismatchError(_first_buffer_difference(everyone, group.rank()))
 
@@ -169,7 +171,7 @@ def param_flags(p: torch.Tensor, tp_group=None, expert_tp_group=None) -> dict:
     ``optimizer.expert_tp_group``). Expert parameters use ``expert_tp_group``; given
     ``tp_group`` alone (megatron-core 0.18 sets no expert group), the expert tensor-parallel
     rank of megatron-core's parallel state, and without that none:
-    :func:`~megatron_ext.spans.exclusion_reason` refuses them (falling back to the dense TP
+    :func:`~megatron_ext.counted_spans.exclusion_reason` refuses them (falling back to the dense TP
     rank, as megatron-core 0.18 does, is the published ETP != TP undercount). Without
     groups, megatron-core's global parallel state when it is initialised; with neither, only
     a single-process job is accepted (any other would count every tensor-parallel duplicate
@@ -254,7 +256,7 @@ def _first_difference(everyone: list[list[tuple]], my_rank: int) -> str:
             a = ref[i] if i < len(ref) else None
             b = rows[i] if i < len(rows) else None
             if a != b:
-                what = "buffer header" if i == 0 else f"parameter {(a or b)[0]!r}"
+                what = "buffer header" if i == 0 else f"parameter {(a or b or ('?',))[0]!r}"
                 return (
                     f"gradient-buffer layouts differ across data-parallel ranks at the {what}: "
                     f"rank 0 has {a}, rank {rank} has {b} (this is rank {my_rank}). Every rank "

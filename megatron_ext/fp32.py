@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import seam
 
-_MCoreFloat16Module = seam.target("Float16Module")
+_MCoreFloat16Module: Any = seam.target("Float16Module")
 
 KEEP_IN_FP32 = "keep_in_fp32"
 
@@ -18,7 +20,7 @@ def mark_keep_in_fp32(param: torch.nn.Parameter) -> torch.nn.Parameter:
     upstream = seam.optional("upstream mark_keep_in_fp32")  # Megatron-LM main (#5929)
     if upstream is not None:
         upstream(param)
-    param.keep_in_fp32 = True  # the attribute upstream sets too
+    setattr(param, KEEP_IN_FP32, True)  # the attribute upstream sets too
     return param
 
 
@@ -66,7 +68,10 @@ def align_router_inputs(module: torch.nn.Module) -> list[str]:
 
 
 def _input_to_weight_dtype(module: torch.nn.Module, args: tuple, kwargs: dict):
-    dtype = module.weight.dtype
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):  # registered only where it is one
+        return None
+    dtype = weight.dtype
     if args and _needs_cast(args[0], dtype):
         return (args[0].to(dtype), *args[1:]), kwargs
     if _needs_cast(kwargs.get("input"), dtype):

@@ -17,7 +17,7 @@ import torch
 
 from buffers.spans import Span, dp_shard_spans
 
-from .spans import GradRecord
+from .counted_spans import GradRecord
 
 
 @dataclass(frozen=True)

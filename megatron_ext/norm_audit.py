@@ -28,14 +28,15 @@ import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 import torch
 
 from buffers.spans import Span
 
 from . import seam
+from .counted_spans import SHARED, GradRecord
 from .layout import record_params
-from .spans import SHARED, GradRecord
 from .targets import BufferTarget
 
 OTHER_SHARD = "other rank's shard"
@@ -117,7 +118,7 @@ def piece_key(
         chunk: the model chunk's index on this rank.
         tensor_model_parallel: Megatron's flag: the parameter is split across TP ranks.
         is_expert: Megatron's ``allreduce=False`` (expert-parallel buffers), as in
-            :func:`megatron_ext.spans.exclusion_reason`.
+            :func:`megatron_ext.counted_spans.exclusion_reason`.
         ranks: this rank's :class:`ParallelRanks`.
 
     Returns:
@@ -248,6 +249,8 @@ def _first_miscount(key: PieceKey, held, runs, numel: int, expected: int) -> str
             bad = (bad[0], hi, ranks, want)
         elif len(ranks) != want:
             bad = (lo, hi, ranks, want)
+    if bad is None:
+        raise AssertionError(f"{key}: called for pieces that are counted right")
     lo, hi, ranks, want = bad
     by = f"by ranks {_list(ranks)}" if ranks else "by no rank"
     if hi > numel:
@@ -357,7 +360,7 @@ def _children(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _placed_targets(model_chunks, children) -> list[tuple[int, int, object, BufferTarget]]:
+def _placed_targets(model_chunks, children) -> list[tuple[int, int, Any, BufferTarget]]:
     """(child index, model chunk index, buffer, target) for every target of every child."""
     where = {}
     for chunk, m in enumerate(model_chunks):
@@ -436,6 +439,7 @@ def _buffer_table(target: BufferTarget, params: Sequence[torch.Tensor]) -> list[
         numel = rec.end - rec.start
         counted = local_spans(rec, target.spans.norm)
         n_counted = sum(s.numel for s in counted)
+        reasons: list[tuple[str, int, tuple[Span, ...]]]
         if rec.excluded_because is not None:
             reasons = [(rec.excluded_because, numel - n_counted, ())]
         else:

@@ -3,8 +3,9 @@
 The entry points; the parts, each a module a test can import alone:
 :mod:`~megatron_ext.opt_state` (what each optimizer reads, built once),
 :mod:`~megatron_ext.flat_optimizer` and :mod:`~megatron_ext.flat_chain` (the methods
-given to one optimizer and to a chain), :mod:`~megatron_ext.opt_checkpoint` (checkpoint
-save and load repairs).
+given to one optimizer and to a chain), :mod:`~megatron_ext.flat_state` (the state they
+read, and [Note: the class swap]), :mod:`~megatron_ext.opt_checkpoint` (checkpoint save and
+load repairs).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from buffers.graphs import NormClip
 from . import offload, refusals, seam
 from .flat_chain import FlatChainedOptimizer
 from .flat_optimizer import FlatNormOptimizer
+from .flat_state import FlatNormState
+from .global_param_norms import global_param_names
 from .opt_checkpoint import (
     align_group_order,
     create_state_before_loading,
@@ -29,7 +32,7 @@ from .opt_state import (
     placed_buffers,
 )
 from .options import MegatronOptions
-from .param_norms import global_param_names
+from .targets import FlatOptimizerState
 
 __all__ = [
     "FlatChainedOptimizer",
@@ -124,17 +127,17 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
     names: dict[int, str] = {}  # global names, for per-parameter norms
     for m in model_chunks:
         names.update(global_param_names(m.module))
-    opt._flat_names = names
     for child in children:
-        child._flat_names = names
         if isinstance(child, DistributedOptimizer) and not getattr(
             child, "is_stub_optimizer", False
         ):
             align_group_order(child)
         _check_supported(child)
         refusals.check(child, placed)
-        child._flat = _build_state(child, placed, options)
-        child.__class__ = _flat_class(type(child))
+        spans = _build_state(child, placed, options)
+        # Norm and scale launches over these fixed spans, replayed as CUDA graphs.
+        launches = NormClip(spans.norm_groups, spans.scale_groups, device, options)
+        _give_flat_methods(child, FlatNormState(spans, names, launches))
         if options.host_mirrors:
             offload.attach_host_mirrors(
                 child,
@@ -145,22 +148,28 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
                 delayed_update=options.offload_delayed_update,
                 delay_warmup=options.offload_delay_warmup,
             )
-        # Norm and scale launches over these fixed spans, replayed as CUDA graphs.
-        child._flat_norm_clip = NormClip(
-            child._flat.norm_groups, child._flat.scale_groups, device, options
-        )
     if isinstance(opt, ChainedOptimizer):
-        opt.__class__ = _flat_class(type(opt))
-        if len(children) > 1:  # a chain of one hands everything to its child
+        over_children: NormClip | None = None  # a chain of one hands everything to its child
+        if len(children) > 1:
             # Every child's spans in one sequence, for a norm and clip over a shared group:
             # one replay in all (the same kernels per buffer as the children's; tables shared).
-            opt._flat_norm_clip = NormClip(
-                [g for c in children for g in c._flat.norm_groups],
-                [g for c in children for g in c._flat.scale_groups],
+            over_children = NormClip(
+                [g for c in children for g in c._flat.spans.norm_groups],
+                [g for c in children for g in c._flat.spans.scale_groups],
                 device,
                 options,
             )
+        chain_state = FlatNormState(FlatOptimizerState([], None), names, over_children)
+        _give_flat_methods(opt, chain_state)
     return opt
+
+
+def _give_flat_methods(opt, state: FlatNormState) -> None:
+    """Attach ``state`` and swap ``opt``'s class for its flat subclass: the one place that
+    changes megatron-core's optimizers after they are built ([Note: the class swap] in
+    :mod:`megatron_ext.flat_state`)."""
+    opt._flat = state
+    opt.__class__ = _flat_class(type(opt))
 
 
 _CLASSES: dict[type, type] = {}
@@ -171,12 +180,18 @@ def _flat_class(cls: type) -> type:
 
     The methods are copied into a direct subclass rather than mixed in as a second base:
     only single inheritance keeps the instance layout that ``__class__`` assignment needs.
+    Only the mixin's methods and properties are copied, not what its protocol base adds
+    to its namespace (``_is_protocol``, the ABC registry).
     """
     mixin = FlatChainedOptimizer if issubclass(cls, ChainedOptimizer) else FlatNormOptimizer
     if getattr(cls, "_flat_base", None) is not None:
         return cls
     if cls not in _CLASSES:
-        methods = {k: v for k, v in vars(mixin).items() if not k.startswith("__")}
+        methods = {
+            k: v
+            for k, v in vars(mixin).items()
+            if not k.startswith("__") and (callable(v) or isinstance(v, property))
+        }
         methods.update(_flat_base=cls, __doc__=mixin.__doc__)
         _CLASSES[cls] = type(f"Flat{cls.__name__}", (cls,), methods)
     return _CLASSES[cls]

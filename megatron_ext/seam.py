@@ -11,7 +11,8 @@ whole coupling.
 installed version must lie in :data:`SUPPORTED`, and every entry that applies to it must
 resolve as we use it: the method kind (plain method, classmethod, staticmethod, class),
 the signature (:data:`SIGNATURES` says what is compared) and, where we index or unpack a
-returned tuple, every ``return`` of the target's source. A mismatch raises one
+returned tuple, every ``return`` of the target's source (the comparisons live in
+:mod:`megatron_ext.seam_signatures`). A mismatch raises one
 :class:`MegatronCoreMismatchError` naming the entry and the version, instead of an
 ``AttributeError`` inside a training step. Attributes that exist only on instances (a
 gradient buffer's ``param_index_map``, an optimizer's groups) are checked by
@@ -20,14 +21,20 @@ gradient buffer's ``param_index_map``, an optimizer's groups) are checked by
 
 from __future__ import annotations
 
-import ast
 import functools
 import importlib
 import inspect
-import textwrap
 from dataclasses import dataclass
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
+
+from megatron_ext.seam_signatures import call_problems as _call_problems
+from megatron_ext.seam_signatures import kind_of as _kind_of
+from megatron_ext.seam_signatures import returns_problem as _returns_problem
+from megatron_ext.seam_signatures import signature_params as _signature_params
+from megatron_ext.seam_signatures import spec as _spec
+from megatron_ext.seam_signatures import stand_in_problems as _stand_in_problems
 
 # The first and last megatron-core versions tested, both inclusive, read as pyproject.toml's
 # ">=0.18.2,<=0.20.0" pins read (:func:`supports`): 0.18.2, 0.19.0 and 0.19.2 from PyPI,
@@ -529,186 +536,6 @@ def _expected_kind(entry: Entry) -> str | None:
     return "method" if "." in entry.target.partition(":")[2] else "function"
 
 
-def _kind_of(owner, raw) -> str:
-    if isinstance(raw, classmethod):
-        return "classmethod"
-    if isinstance(raw, staticmethod):
-        return "staticmethod"
-    if isinstance(raw, property):
-        return "property"
-    if isinstance(raw, type):
-        return "class"
-    if callable(raw):
-        return "method" if isinstance(owner, type) else "function"
-    return f"{type(raw).__name__} value"
-
-
-def _spec(tokens: tuple[str, ...]) -> list[inspect.Parameter]:
-    """``params`` tokens as parameters (default: a marker, only whether there is one)."""
-    out = []
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    for token in tokens:
-        if token == "*":
-            kind = inspect.Parameter.KEYWORD_ONLY
-        elif token.startswith("**"):
-            out.append(inspect.Parameter(token[2:], inspect.Parameter.VAR_KEYWORD))
-        elif token.startswith("*"):
-            out.append(inspect.Parameter(token[1:], inspect.Parameter.VAR_POSITIONAL))
-            kind = inspect.Parameter.KEYWORD_ONLY
-        else:
-            name, default = token.removesuffix("="), token.endswith("=")
-            out.append(inspect.Parameter(name, kind, default=... if default else _EMPTY))
-    return out
-
-
-_EMPTY = inspect.Parameter.empty
-_P = inspect.Parameter
-_POSITIONAL = (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)
-_KEYWORD = (_P.POSITIONAL_OR_KEYWORD, _P.KEYWORD_ONLY)
-_KIND_TEXT = {_P.POSITIONAL_ONLY: "positional-only", _P.POSITIONAL_OR_KEYWORD: "positional",
-              _P.KEYWORD_ONLY: "keyword-only", _P.VAR_POSITIONAL: "*args",
-              _P.VAR_KEYWORD: "**kwargs"}  # fmt: skip
-
-
-def _required(p: inspect.Parameter) -> bool:
-    return p.default is _EMPTY and p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD)
-
-
-def _describe_param(p: inspect.Parameter) -> str:
-    return f"{'required' if _required(p) else 'optional'} {_KIND_TEXT[p.kind]} {p.name!r}"
-
-
-def _call_problems(have: list[inspect.Parameter], call: list[inspect.Parameter]) -> list[str]:
-    """What would fail in calling a target whose parameters are ``have`` as ``call`` says."""
-    problems = []
-    by_name = {p.name: p for p in have}
-    positional = [p for p in have if p.kind in _POSITIONAL]
-    takes_args = any(p.kind == _P.VAR_POSITIONAL for p in have)
-    takes_kwargs = any(p.kind == _P.VAR_KEYWORD for p in have)
-    forwards_args = any(p.kind == _P.VAR_POSITIONAL for p in call)
-    forwards_kwargs = any(p.kind == _P.VAR_KEYWORD for p in call)
-    passed = set()
-    ours = [p for p in call if p.kind == _P.POSITIONAL_OR_KEYWORD]
-    for i, p in enumerate(ours):
-        if i < len(positional):
-            t = positional[i]
-            if t.name != p.name:
-                problems.append(
-                    f"its positional parameter {i + 1} is {t.name!r}, where we pass {p.name!r}"
-                )
-            passed.add(t.name)
-        elif not takes_args:
-            problems.append(
-                f"it takes {len(positional)} positional parameters; we pass {p.name!r} as "
-                f"positional argument {i + 1}"
-            )
-    for p in call:
-        if p.kind != _P.KEYWORD_ONLY:
-            continue
-        t = by_name.get(p.name)
-        if t is None:
-            if not takes_kwargs:
-                problems.append(f"it has no parameter {p.name!r}, which we pass by keyword")
-        elif t.kind not in _KEYWORD:
-            problems.append(f"{p.name!r} is now {_KIND_TEXT[t.kind]}; we pass it by keyword")
-        elif t.name in passed:
-            problems.append(f"{p.name!r} now comes before it; we pass it by keyword")
-        passed.add(p.name)
-    for p in call:
-        t = by_name.get(p.name)
-        if p.default is not _EMPTY and t is not None and _required(t):
-            problems.append(f"{p.name!r} is now required; we do not always pass it")
-    for t in have:
-        if not _required(t) or t.name in passed:
-            continue
-        forwarded = (forwards_args and t.kind in _POSITIONAL) or (
-            forwards_kwargs and t.kind in _KEYWORD
-        )
-        if not forwarded:
-            problems.append(f"it has a new {_describe_param(t)} parameter, which we do not pass")
-    return problems
-
-
-def _stand_in_problems(have: list[inspect.Parameter], ours: list[inspect.Parameter]) -> list[str]:
-    """What megatron-core's callers of a target with parameters ``have`` could pass or omit
-    that code taking ``ours`` does not handle (``ours``' ``*args``/``**kwargs`` forward)."""
-    problems = []
-    mine = {p.name: (i, p) for i, p in enumerate(ours)}
-    forwards_args = any(p.kind == _P.VAR_POSITIONAL for p in ours)
-    forwards_kwargs = any(p.kind == _P.VAR_KEYWORD for p in ours)
-    for i, t in enumerate(have):
-        if t.kind == _P.VAR_POSITIONAL and not forwards_args:
-            problems.append(f"it now takes *{t.name}, which our code does not")
-            continue
-        if t.kind == _P.VAR_KEYWORD and not forwards_kwargs:
-            problems.append(f"it now takes **{t.name}, which our code does not")
-            continue
-        if t.kind in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD):
-            continue
-        if t.name not in mine:
-            forwarded = (t.kind == _P.KEYWORD_ONLY and forwards_kwargs) or (
-                t.kind in _POSITIONAL
-                and forwards_args
-                and (t.kind == _P.POSITIONAL_ONLY or forwards_kwargs)
-            )
-            if not forwarded:
-                problems.append(f"it has a new {_describe_param(t)} parameter {i + 1}")
-            continue
-        j, p = mine[t.name]
-        if p.kind != t.kind:
-            problems.append(f"{t.name!r} is now {_KIND_TEXT[t.kind]} (was {_KIND_TEXT[p.kind]})")
-        elif t.kind in _POSITIONAL and i != j:
-            problems.append(f"{t.name!r} moved from position {j + 1} to {i + 1}")
-        if _required(p) and not _required(t):
-            problems.append(f"{t.name!r} now has a default, so callers may leave it out")
-    names = {t.name for t in have}
-    for p in ours:
-        if p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD) and p.name not in names:
-            problems.append(f"it no longer takes {_describe_param(p)}")
-    return problems
-
-
-def _returned_tuples(func) -> list[ast.expr]:
-    """The value of every ``return`` in ``func``'s own body (not in nested functions)."""
-    source = textwrap.dedent(inspect.getsource(inspect.unwrap(func)))
-    node = ast.parse(source).body[0]
-    out, todo = [], list(node.body)
-    while todo:
-        n = todo.pop()
-        if isinstance(n, ast.Return):
-            out.append(n.value)
-        elif not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
-            todo.extend(ast.iter_child_nodes(n))
-    return out
-
-
-def _returns_problem(obj, expected: tuple[str, ...]) -> str | None:
-    func = getattr(obj, "__func__", obj)
-    try:
-        values = _returned_tuples(func)
-    except (OSError, TypeError, SyntaxError) as e:
-        return f"its source cannot be read to check the tuple it returns ({e})"
-    if not values:
-        return f"it has no return statement; we expect the tuple ({', '.join(expected)})"
-    for v in values:
-        got = "None" if v is None else ast.unparse(v)
-        items = tuple(ast.unparse(e) for e in v.elts) if isinstance(v, ast.Tuple) else None
-        if items != expected:
-            what = f"a {len(items)}-tuple ({', '.join(items)})" if items is not None else got
-            return (
-                f"it returns {what}; we index or unpack the {len(expected)}-tuple "
-                f"({', '.join(expected)})"
-            )
-    return None
-
-
-def _signature_params(obj, kind: str | None) -> list[inspect.Parameter]:
-    params = list(inspect.signature(obj).parameters.values())
-    if kind == "method" and params:  # looked up on the class: drop self
-        params = params[1:]
-    return params
-
-
 def _problem(entry: Entry) -> str | None:
     try:
         obj = _resolve(entry)
@@ -729,8 +556,8 @@ def _problem(entry: Entry) -> str | None:
         problems = check(have, _spec(entry.params))
         if problems:
             sig = inspect.signature(obj)
-            plain = [p.replace(annotation=_EMPTY) for p in sig.parameters.values()]
-            shown = sig.replace(parameters=plain, return_annotation=_EMPTY)
+            plain = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+            shown = sig.replace(parameters=plain, return_annotation=inspect.Parameter.empty)
             return (
                 f"{entry.target}{shown}: {'; '.join(problems)} (we rely on "
                 f"({', '.join(entry.params)}) as a {mode})"
@@ -795,7 +622,7 @@ def _check_entries(entries: list[Entry], version) -> None:
             )
 
 
-def target(name: str):
+def target(name: str) -> Any:
     """The megatron-core object of entry ``name``; :func:`check` has checked its signature."""
     entry = _BY_NAME[name]
     try:
@@ -824,7 +651,7 @@ def _owner(entry: Entry) -> tuple[object, str]:
     return obj, attr
 
 
-def optional(name: str):
+def optional(name: str) -> Any:
     """The object of an optional entry, or None where this megatron-core lacks it."""
     entry = _BY_NAME[name]
     if not entry.optional:

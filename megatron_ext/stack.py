@@ -15,8 +15,8 @@ from .ddp import DistributedDataParallel
 from .optimizer import get_megatron_optimizer
 from .options import MegatronOptions
 
-_MCoreDDPConfig = seam.target("DistributedDataParallelConfig")
-OptimizerConfig = seam.target("OptimizerConfig")
+_MCoreDDPConfig: Any = seam.target("DistributedDataParallelConfig")
+OptimizerConfig: Any = seam.target("OptimizerConfig")  # megatron-core ships no type hints
 
 # Set by build_stack's own arguments, so that the DDP config and the optimizer config cannot
 # disagree (megatron-core's distributed optimizer needs both on or both off).
@@ -51,7 +51,7 @@ def build_stack(
     per_dtype_grad_buffers: bool = True,
     distributed_optimizer: bool = True,
     ddp: Mapping[str, Any] | DistributedDataParallelConfig | None = None,
-    optimizer: Mapping[str, Any] | OptimizerConfig | None = None,
+    optimizer: Mapping[str, Any] | Any | None = None,  # Any: an OptimizerConfig
     options: MegatronOptions | None = None,
 ) -> Stack:
     """Wrap ``module`` in DDP and build its optimizer, per-dtype gradient buffers by default.

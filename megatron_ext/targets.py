@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from buffers.spans import Span, intersect_spans, subtract_spans, to_local
 
+from .counted_spans import GradRecord, RankSpans, rank_spans
 from .layout import BufferLayout
-from .spans import GradRecord, RankSpans, rank_spans
 
 
 @dataclass
@@ -30,7 +31,7 @@ class BufferTarget:
     # fp32 copy of this rank's shard, when one is needed; its storage is allocated for a
     # step only ([Note: the mirror lives for one step]).
     mirror: torch.Tensor | None = None
-    buffer: object = None  # the megatron-core buffer itself
+    buffer: Any = None  # the megatron-core buffer itself (megatron-core ships no types)
     norm_reads_mirror: bool = False  # norm_views are views of ``mirror``, not the buffer
     # The fp32 local-accumulation island, when the optimizer reads its parameters' gradients
     # there (no mirror): megatron-core unscales those in place, not their buffer slices.
@@ -91,8 +92,9 @@ class FlatOptimizerState:
         """
         for t in self.targets:
             m = t.mirror
-            read = m is not None and (scaling or t.norm_reads_mirror)
-            if read and m.numel() and not m.untyped_storage().nbytes():
+            if m is None or not (scaling or t.norm_reads_mirror):
+                continue
+            if m.numel() and not m.untyped_storage().nbytes():
                 raise RuntimeError(
                     f"the optimizer's fp32 copies of the {t.name} were freed by zero_grad() "
                     "and not made since, and this reads them; call "
@@ -234,4 +236,6 @@ def mirror_view(target: BufferTarget, start: int, end: int) -> torch.Tensor:
     (local,) = to_local([Span(start, end)], target.spans.owned)
     if local.numel != end - start:
         raise AssertionError(f"[{start}, {end}) is not inside this rank's shard")
+    if target.mirror is None:
+        raise AssertionError(f"{target.name} has no mirror")
     return target.mirror[local.start : local.end]

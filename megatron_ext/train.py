@@ -56,6 +56,8 @@ from .offload_drain import drain_offload
 from .optimizer import get_megatron_optimizer
 
 FIRST_VERSION = (0, 19)  # pretrain(cfg_container, ...): the loop these entries patch
+# Set on our parse_and_validate_args, so that a second install() does not wrap it twice.
+_WRAPPED_MARK = "__wrapped_by_megatron_ext__"
 
 
 class UnsupportedTrainingOptionError(ValueError):
@@ -423,7 +425,7 @@ def install() -> TrainingPatches:
     """
     _check_training_loop()
     parse = seam.target("training args")
-    if getattr(parse, "__wrapped_by_megatron_ext__", False):
+    if getattr(parse, _WRAPPED_MARK, False):
         raise RuntimeError("megatron_ext.train.install() is already in effect")
     patches = TrainingPatches()
     patches.replace("dataset helpers build", _unless_prebuilt(seam.target("dataset helpers build")))
@@ -715,7 +717,7 @@ def _parse_then_enable(parse: Callable, patches: TrainingPatches):
         return args
 
     enabled: list[bool] = []
-    parse_and_validate_args.__wrapped_by_megatron_ext__ = True
+    setattr(parse_and_validate_args, _WRAPPED_MARK, True)
     return parse_and_validate_args
 
 
@@ -741,7 +743,7 @@ def _check_training_loop() -> None:
         raise seam.MegatronCoreMismatchError(
             "megatron_ext.train patches the training loop of megatron-core >= "
             f"{'.'.join(map(str, FIRST_VERSION))} (pretrain(cfg_container, ...)); the "
-            f"installed one is {'.'.join(map(str, version))}"
+            f"installed one is {'.'.join(map(str, version[:3]))}"
         )
 
 
@@ -779,7 +781,7 @@ def _logging_per_layer(original: Callable, args: argparse.Namespace):
     indices: dict[tuple[str, ...], object] = {}
 
     def train_step(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs):
-        iteration = kwargs.get("iteration")
+        iteration: int | None = kwargs.get("iteration")
         if iteration is None:
             iteration = getattr(args, "curr_iteration", 0)
         logged = optimizer is not None and (iteration + 1) % args.log_interval == 0

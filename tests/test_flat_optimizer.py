@@ -73,7 +73,7 @@ def test_norm_is_the_fp64_norm_of_the_counted_gradients_over_the_optimizers_grou
     log = record_all_reduce(monkeypatch)
     child, named, raw, group = build()
     assert type(child).__name__ == "FlatFloat16OptimizerWithFloat16Params"
-    assert child._flat_norm_clip.device == torch.device("cpu")
+    assert child._flat.norm_clip.device == torch.device("cpu")
     norm = child.get_grad_norm()
     want = math.sqrt(3 * counted_sumsq(named, raw))
     assert norm.item() == pytest.approx(want, rel=1e-6)

@@ -25,12 +25,12 @@ from megatron.core.transformer.module import param_is_not_shared
 from buffers import ops
 from buffers.spans import Span
 from megatron_ext.ddp import DistributedDataParallel
+from megatron_ext.global_param_norms import MegatronParamNorms
 from megatron_ext.layout import buffer_layout
 from megatron_ext.offload import offload_sources, source_mirror
 from megatron_ext.offload.host_mirror import chunk_copies
 from megatron_ext.offload.step import ChunkedAdamW, HostParam, chunk_spans
 from megatron_ext.opt_state import _build_state
-from megatron_ext.param_norms import MegatronParamNorms
 from tests.test_megatron_distopt_ranks import BF16, FP32, child_for_rank
 from tests.test_megatron_param_norms import reduce_ranks
 

@@ -8,9 +8,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from buffers.spans import Span
+from megatron_ext.counted_spans import GradRecord
 from megatron_ext.ddp import DistributedDataParallel, LayoutMismatchError, _first_difference
 from megatron_ext.layout import BufferKey, BufferLayout, ChunkLayout
-from megatron_ext.spans import GradRecord
 
 
 def fake_ddp(

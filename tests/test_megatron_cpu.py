@@ -513,6 +513,25 @@ def test_the_shim_records_each_collective_once_whichever_way_torch_dispatches_it
         ]
 
 
+def test_the_shims_cuda_copy_of_a_host_tensor_is_a_copy():
+    """As on the device: writing the copy leaves the host tensor (a loaded checkpoint
+    shard, say) as it was; a tensor already "on the device" is its own .cuda()."""
+    from tests.support.cpu_megatron import cpu_megatron
+
+    host = torch.arange(4.0)
+    with cpu_megatron():
+        dev = host.cuda()
+        dev.add_(1)
+        view = dev[1:]
+        assert dev.cuda() is dev and view.cuda() is view
+        made = torch.zeros(2, device="cuda")
+        assert made.cuda() is made
+        moved = host.to("cuda")
+        assert moved.cuda() is moved
+    assert host.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert dev.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 def test_the_shim_records_streams_events_and_devices():
     from tests.support.cpu_megatron import cpu_megatron
 

@@ -15,10 +15,10 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+from megatron_ext.counted_spans import exclusion_reason
 from megatron_ext.ddp import param_flags
 from megatron_ext.layout import buffer_layout
 from megatron_ext.opt_state import _build_state
-from megatron_ext.spans import exclusion_reason
 from tests.support.fakes import FakeGroup, megatron_buffer
 
 BF16, FP32 = torch.bfloat16, torch.float32

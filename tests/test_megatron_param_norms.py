@@ -1,4 +1,4 @@
-"""Per-parameter norms of megatron-core optimizers (megatron_ext.param_norms), on the CPU.
+"""Per-parameter norms of megatron-core optimizers (megatron_ext.global_param_norms), on the CPU.
 
 Ranks are simulated as in tests/test_megatron_distopt_ranks.py: megatron-core's own range
 functions decide what each data-parallel rank owns; each rank's stats are computed in
@@ -17,8 +17,8 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from buffers.param_norms import gather_union, to_wire
+from megatron_ext.global_param_norms import MegatronParamNorms, global_param_names
 from megatron_ext.opt_state import _build_state
-from megatron_ext.param_norms import MegatronParamNorms, global_param_names
 from tests.support.fakes import FakeGroup
 from tests.test_megatron_distopt_ranks import child_for_rank
 

@@ -3,7 +3,7 @@
 import pytest
 
 from buffers.spans import Span
-from megatron_ext.spans import (
+from megatron_ext.counted_spans import (
     GradRecord,
     counted_runs,
     exclusion_reason,
@@ -70,3 +70,13 @@ def test_unsharded_owns_everything():
     assert rs.owned == (Span(0, 128),)
     assert rs.norm == (Span(0, 5),)
     assert rs.padding_in_norm == 0
+
+
+def test_our_alignment_is_the_one_megatron_core_pads_parameter_starts_to():
+    from buffers.plan import ALIGN
+
+    param_layout = pytest.importorskip(
+        "megatron.core.optimizer.param_layout", reason="before 0.19 megatron-core pads inline"
+    )
+    pads = [param_layout.pad_param_start(i) for i in (0, 1, ALIGN - 1, ALIGN, ALIGN + 1)]
+    assert pads == [0, ALIGN, ALIGN, ALIGN, 2 * ALIGN]

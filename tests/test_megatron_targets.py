@@ -6,8 +6,8 @@ import types
 import torch
 
 from buffers.spans import Span
+from megatron_ext.counted_spans import GradRecord
 from megatron_ext.layout import buffer_layout
-from megatron_ext.spans import GradRecord
 from megatron_ext.targets import buffer_target, mirror_view
 from tests.support.fakes import FakeGroup
 

@@ -19,9 +19,9 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_ext.ddp import counted_records
+from megatron_ext.global_param_norms import MegatronParamNorms
 from megatron_ext.layout import buffer_layout
 from megatron_ext.opt_state import _build_state
-from megatron_ext.param_norms import MegatronParamNorms
 from tests.support.fakes import FakeGroup, megatron_buffer
 from tests.test_megatron_distopt_ranks import layout as mirrored_layout
 from tests.test_megatron_param_norms import reduce_ranks

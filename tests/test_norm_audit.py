@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from buffers.spans import Span
+from megatron_ext.counted_spans import SHARED, GradRecord, exclusion_reason, rank_spans
 from megatron_ext.norm_audit import (
     AuditResult,
     Claim,
@@ -25,7 +26,6 @@ from megatron_ext.norm_audit import (
     local_spans,
     piece_key,
 )
-from megatron_ext.spans import SHARED, GradRecord, exclusion_reason, rank_spans
 
 W = PieceKey(0, 0, "decoder.layers.0.mlp.linear_fc1.weight", 1, None)
 B = PieceKey(0, 0, "decoder.layers.0.input_layernorm.weight", None, None)

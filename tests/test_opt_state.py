@@ -186,7 +186,7 @@ def test_options_reach_every_child(monkeypatch, host_mirrors, step, convert):
         delay_warmup=10,
     )
     assert attached == ([(child, want)] if host_mirrors else [])
-    assert child._flat_norm_clip.options is options
+    assert child._flat.norm_clip.options is options
 
 
 def test_the_flat_class_is_made_once_and_keeps_the_base():

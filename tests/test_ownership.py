@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from megatron.core.parallel_state import RankGenerator
 
-from megatron_ext.spans import exclusion_reason
+from megatron_ext.counted_spans import exclusion_reason
 from tests.support.gpt_inventory import gpt_inventory
 from tests.support.topology import (
     LogicalParam,

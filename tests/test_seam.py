@@ -126,19 +126,44 @@ def test_an_instance_without_an_attribute_we_read_is_refused():
         seam.check_instance("buffer layout", buf)
 
 
-def test_only_the_seam_imports_megatron_core():
+# Every module of the package, subpackages included, except the seam's own (the table and its
+# signature checks): the name each check reports it by.
+MODULES = sorted(
+    p.relative_to(PACKAGE).as_posix()
+    for p in PACKAGE.rglob("*.py")
+    if p.name not in ("seam.py", "seam_signatures.py")
+)
+
+# Call sites the checks below refuse today, in code owned elsewhere: module -> why. Each is
+# an expected failure (strict: it must fail until fixed, then the mark must go).
+KNOWN_CALL_SITE_PROBLEMS = {
+    "offload/hybrid.py": "super().step(closure) at lines 313 and 332 is checked against "
+    "every entry of a method named step, the 'chained step' entry (params ()) included",
+}
+
+
+def module_cases(known):
+    return [
+        pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=known[m])) if m in known else m
+        for m in MODULES
+    ]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_only_the_seam_imports_megatron_core(module):
     offenders = []
-    for path in sorted(PACKAGE.glob("*.py")):
-        if path.name == "seam.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "megatron"]
+    for node in ast.walk(ast.parse((PACKAGE / module).read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        offenders += [f"{module}: {n}" for n in names if n.split(".")[0] == "megatron"]
     assert not offenders, offenders
+
+
+def test_the_seam_checks_walk_every_subpackage():
+    assert "offload/hybrid.py" in MODULES and "optimizer.py" in MODULES
 
 
 def test_every_overridden_megatron_core_method_is_an_entry():
@@ -693,18 +718,21 @@ def _call_problem(entry, node: ast.Call, unbound: bool) -> str | None:
     return None
 
 
-def test_every_call_site_passes_what_its_entry_records():
-    found, wrong = set(), []
-    for path in sorted(PACKAGE.glob("*.py")):
-        if path.name == "seam.py":
-            continue
-        for entry, node, unbound in _entry_calls(ast.parse(path.read_text())):
-            found.add(entry.name)
-            problem = _call_problem(entry, node, unbound)
-            if problem is not None:
-                wrong.append(f"{path.name}:{node.lineno} {entry.name!r} "
-                             f"({', '.join(entry.params)}): {problem}")  # fmt: skip
+@pytest.mark.parametrize("module", module_cases(KNOWN_CALL_SITE_PROBLEMS))
+def test_every_call_site_passes_what_its_entry_records(module):
+    wrong = []
+    for entry, node, unbound in _entry_calls(ast.parse((PACKAGE / module).read_text())):
+        problem = _call_problem(entry, node, unbound)
+        if problem is not None:
+            wrong.append(f"{module}:{node.lineno} {entry.name!r} "
+                         f"({', '.join(entry.params)}): {problem}")  # fmt: skip
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_call_entry_has_a_call_site():
+    found = set()
+    for module in MODULES:
+        found.update(e.name for e, _, _ in _entry_calls(ast.parse((PACKAGE / module).read_text())))
     called = {e.name for e in seam.ENTRIES if e.how == "call" and e.params is not None}
     assert called <= found, f"call entries with no call site found: {called - found}"
 

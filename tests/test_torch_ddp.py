@@ -98,13 +98,36 @@ def bucket_views_refused(rank, wrap_first):
             call(1.0) if call == fgb.clip_grad_norm_ else call()
 
 
-def process_group_arguments():
+def rank_grads(net, rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s gradients for ``process_group_arguments``, in each parameter's dtype,
+    every third element zero: any rank can rebuild every other rank's."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for p in net.parameters():
+        g = torch.randn(p.numel(), generator=gen, dtype=FP64)
+        g[::3] = 0
+        out.append(g.view(p.shape).to(p.dtype))
+    return out
+
+
+def process_group_arguments(rank: int, world: int):
     net = Net(seed=3)
     fgb = FlatGradBuffers(net.named_parameters())
     with pytest.raises(TypeError, match="error_if_nonfinite must be a bool.*keyword-only"):
         fgb.clip_grad_norm_(1.0, 2.0, dist.group.WORLD)  # group where torch has its flag
-    fgb.clip_grad_norm_(1.0, 2.0, False, None, group=dist.group.WORLD)
-    fgb.count_zeros(group=dist.group.WORLD)
+    for p, g in zip(net.parameters(), rank_grads(net, rank), strict=True):
+        p.grad.copy_(g)
+    every = [g for r in range(world) for g in rank_grads(net, r)]  # the oracle: plain fp64
+    want_zeros = sum(int((g == 0).sum()) for g in every)
+    want_norm = sum(float(g.double().square().sum()) for g in every) ** 0.5
+    assert fgb.count_zeros(group=dist.group.WORLD).item() == want_zeros
+    got = fgb.clip_grad_norm_(1.0, 2.0, False, None, group=dist.group.WORLD).item()
+    assert got == pytest.approx(want_norm, rel=1e-6)
+    clipped = [p.grad.double() for p in net.parameters()]
+    mine = rank_grads(net, rank)
+    for c, g in zip(clipped, mine, strict=True):
+        tol = TOL[g.dtype]
+        torch.testing.assert_close(c, g.double() / (want_norm + 1e-6), rtol=tol, atol=tol * 1e-2)
 
 
 def worker(rank: int, world: int, init_file: str) -> None:
@@ -113,7 +136,7 @@ def worker(rank: int, world: int, init_file: str) -> None:
         for wrap_first in (True, False):
             trains_like_torch(rank, wrap_first)
             bucket_views_refused(rank, wrap_first)
-        process_group_arguments()
+        process_group_arguments(rank, world)
     finally:
         # torch DDP objects sit in reference cycles; left to the interpreter's exit they are
         # torn down after the process group and abort the process now and then

@@ -81,7 +81,7 @@ def recording(build, out: Path):
             ref = reference_norm(model_chunks, sharded)
             # --log-per-layer-grad-norm asked this step for per-parameter norms
             per_layer = None
-            if opt.__dict__.get("_flat_per_param_requested"):
+            if getattr(getattr(opt, "_flat", None), "per_param_requested", False):
                 per_layer = reference_per_layer(model_chunks, sharded)
             ok, norm, zeros = step(*a, **kw)
             row = {

@@ -12,7 +12,12 @@ CPU under gloo, at one rank or several spawned ranks:
 - a torch function mode rewrites every CUDA device argument (``'cuda'``, ``'cuda:0'``,
   ``torch.device('cuda')``, a bare device index as ``torch.cuda.current_device()`` returns)
   to the CPU, makes ``Tensor.cuda()`` stay on the CPU, and answers ``Tensor.type()`` with
-  the CUDA type name megatron-core checks for;
+  the CUDA type name megatron-core checks for. ``Tensor.cuda()`` of a host tensor is a copy,
+  as on the device (megatron-core calls it on host tensors: loaded checkpoint shards, gather
+  buffers), and so is ``.to(cuda)`` of one, so a bug that writes to one side and reads the
+  other is not hidden by aliasing;
+  of a tensor the shim put "on the device" (a factory's CUDA device argument, a
+  ``.cuda()`` or ``.to(cuda)`` copy, or a view of one) it is that tensor, as CUDA's is;
 - streams and events are stand-ins that *record* what was asked of them: which stream was
   current when each collective was issued, every ``wait_stream`` / ``wait_event`` /
   ``record``, synchronizations; a test can assert the order the real device needs;
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,25 +157,44 @@ def _is_cuda(device: Any) -> bool:
 
 
 class _CudaToCpu(TorchFunctionMode):
-    """Every CUDA device argument becomes the CPU; ``Tensor.type()`` reads as CUDA's."""
+    """Every CUDA device argument becomes the CPU; ``Tensor.type()`` reads as CUDA's;
+    ``Tensor.cuda()`` copies what is not "on the device" (module docstring)."""
 
     def __init__(self, log: Log):
         super().__init__()
         self.log = log
+        # id -> weak reference, by identity (a tensor's == is elementwise); an id reused
+        # after its tensor died fails the identity check
+        self._on_device: dict[int, weakref.ref] = {}
+
+    def _mark_on_device(self, t: torch.Tensor) -> None:
+        self._on_device[id(t)] = weakref.ref(t)
+
+    def _is_on_device(self, t: torch.Tensor) -> bool:
+        return any(
+            x is not None and (r := self._on_device.get(id(x))) is not None and r() is x
+            for x in (t, t._base)
+        )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             t = args[0]
             self.log.entries.append(("cuda_copy", tuple(t.shape), t.dtype, _STATE.current().name))
-            return t
+            if self._is_on_device(t):
+                return t
+            with torch._C.DisableTorchFunction():
+                copy = t.clone()
+            self._mark_on_device(copy)
+            return copy
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             # megatron-core's dtype dispatch compares against 'torch.cuda.BFloat16Tensor'
             return (
                 name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
             )
-        if _is_cuda(kwargs.get("device")):
+        to_device = _is_cuda(kwargs.get("device"))
+        if to_device:
             kwargs["device"] = "cpu"
         # pinned host memory needs a CUDA driver; on the CPU it is plain host memory
         if func is torch.Tensor.pin_memory:
@@ -179,8 +204,16 @@ class _CudaToCpu(TorchFunctionMode):
             kwargs["pin_memory"] = False
             self.log.entries.append(("pin", None, kwargs.get("dtype")))
         if func is torch.Tensor.to:
+            to_device = to_device or any(_is_cuda(a) for a in args[1:])
             args = tuple("cpu" if i > 0 and _is_cuda(a) else a for i, a in enumerate(args))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if to_device and isinstance(out, torch.Tensor):
+            if args and out is args[0] and not self._is_on_device(out):
+                # .to(cuda) of a host tensor: a copy, as .cuda()'s
+                with torch._C.DisableTorchFunction():
+                    out = out.clone()
+            self._mark_on_device(out)  # what a CUDA device argument made is on the device
+        return out
 
 
 class _OneByOne:

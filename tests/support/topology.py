@@ -3,7 +3,7 @@
 A model is given as an inventory of *logical* parameters (full shapes, before any
 parallelism). For every rank of a topology this module builds the local parameters Megatron
 would hold, lays them out in buffers with Megatron's own layout functions (on meta tensors,
-so nothing is allocated), runs our span rules (:mod:`megatron_ext.spans`) for every buffer,
+so nothing is allocated), runs our span rules (:mod:`megatron_ext.counted_spans`) for every buffer,
 and maps each counted element back to (logical parameter, logical element). Within each
 group whose partial sums one norm all-reduce adds up, every logical element must be counted
 exactly once; :func:`audit` reports the first one that is not, with the ranks involved.
@@ -33,10 +33,10 @@ from megatron.core.distributed.param_and_grad_buffer import (
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from buffers.spans import Span
-from megatron_ext.spans import GradRecord, exclusion_reason, rank_spans
+from megatron_ext.counted_spans import GradRecord, exclusion_reason, rank_spans
 
 Rule = Callable[..., str | None]
-"""Signature of :func:`megatron_ext.spans.exclusion_reason` (keyword arguments only)."""
+"""Signature of :func:`megatron_ext.counted_spans.exclusion_reason` (keyword arguments only)."""
 
 COMBINES = ("sum", "mean")
 
@@ -464,7 +464,7 @@ def simulate_counting(
         topology: the parallel sizes.
         inventory: the model's parameters (see :func:`check_inventory`).
         rule: decides why a gradient is excluded (None: counted); same keyword arguments
-            as :func:`megatron_ext.spans.exclusion_reason`.
+            as :func:`megatron_ext.counted_spans.exclusion_reason`.
         bucket_size: DDP's bucket size in elements, None for one bucket per buffer.
 
     Returns:
@@ -575,7 +575,7 @@ def audit(
     Args:
         topology: the parallel sizes.
         inventory: the model's parameters (see :func:`check_inventory`).
-        rule: the exclusion rule under test; :func:`megatron_ext.spans.exclusion_reason`
+        rule: the exclusion rule under test; :func:`megatron_ext.counted_spans.exclusion_reason`
             by default.
         bucket_size: DDP's bucket size in elements, None for one bucket per buffer.
 
@@ -659,7 +659,7 @@ def rank_norms(
         topology: the parallel sizes.
         inventory: the model's parameters (see :func:`check_inventory`).
         grads: the gradient of each logical parameter, by logical name, full shape.
-        rule: the exclusion rule; :func:`megatron_ext.spans.exclusion_reason` by default.
+        rule: the exclusion rule; :func:`megatron_ext.counted_spans.exclusion_reason` by default.
         combine: ``"sum"`` or ``"mean"``.
         bucket_size: DDP's bucket size in elements, None for one bucket per buffer.
 
@@ -719,7 +719,8 @@ def rule_dense_tp_for_experts(**flags: Any) -> str | None:
     The expert child optimizer received only the dense tensor-parallel group, so an expert
     parameter not split over ETP counted only on dense TP rank 0 (radixark/Megatron-LM#80,
     NVIDIA/Megatron-LM#6470: a DeepSeek-V4 step reported 11.5135 instead of 12.2754 under
-    TP4/EP4/ETP1). Takes the keyword arguments of :func:`megatron_ext.spans.exclusion_reason`.
+    TP4/EP4/ETP1). Takes the keyword arguments of
+    :func:`megatron_ext.counted_spans.exclusion_reason`.
     """
     return exclusion_reason(**{**flags, "is_expert": False})
 
@@ -734,7 +735,7 @@ def rule_experts_lost_tp_flag(**flags: Any) -> str | None:
     duplicates, and the filter knew only the dense TP group: expert gradients counted only
     where the dense TP rank is 0. We have not run the pre-fix code; this reproduces the
     described effect (experts or expert slices omitted), not necessarily every detail.
-    Takes the keyword arguments of :func:`megatron_ext.spans.exclusion_reason`.
+    Takes the keyword arguments of :func:`megatron_ext.counted_spans.exclusion_reason`.
     """
     expert = flags["is_expert"]
     tmp = flags["tensor_model_parallel"] and not expert

@@ -68,7 +68,7 @@ def exclusion_reason(
     replicated parameter on a nonzero rank of the GTP-remat axis (counted on its rank 0).
     """
     # Duplicates first: a shared parameter's copy on a nonzero rank is a replica of rank 0's,
-    # which the per-parameter report must not add again (megatron_ext.param_norms).
+    # which the per-parameter report must not add again (megatron_ext.global_param_norms).
     if gtp_duplicate:
         return GTP_DUPLICATE
     if not tensor_model_parallel:

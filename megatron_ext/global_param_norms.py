@@ -31,8 +31,8 @@ from buffers.param_norms import ParamNorms, ParamStats
 from buffers.segments import SpanSegments
 from buffers.spans import Span, intersect_spans, to_local
 
+from .counted_spans import SHARED
 from .layout import record_params
-from .spans import SHARED
 from .targets import BufferTarget
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
@@ -101,7 +101,8 @@ def target_segments(
     in_island: dict[int, list[Span]] = {}
     for start, _piece, at in target.island_pieces:
         in_island.setdefault(start, []).append(at)
-    pieces, island_pieces = [], []
+    pieces: list[tuple[int, int, str, bool]] = []
+    island_pieces: list[tuple[int, int, str, bool]] = []
     for r, p in zip(target.records, record_params(buf, target.records), strict=True):
         start, end, counted = r.start, r.end, r.excluded_because is None
         # Another rank's copy is reported (SHARED is the one verdict that is not about copies).
@@ -116,8 +117,12 @@ def target_segments(
         if not owned:  # still reported (zero here), so every rank lists the same names
             pieces.append((0, 0, name, counted))
         pieces.extend((s.start, s.end, name, counted) for s in owned)
+    if base is None:
+        raise AssertionError(f"{target.name}: the norm reads a mirror it does not have")
     out = [(base, pieces)]
     if island_pieces:
+        if target.island is None:
+            raise AssertionError(f"{target.name}: island pieces without an island")
         out.append((target.island, island_pieces))
     return out
 

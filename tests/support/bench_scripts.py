@@ -1,0 +1,31 @@
+"""Loading the benchmark scripts in tests, as ``python benchmarks/<name>.py`` loads them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_script(name: str):
+    """Import ``benchmarks/<name>.py`` from its file, as ``python benchmarks/<name>.py`` would."""
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", ROOT / "benchmarks" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_outputs(out: Path, name: str) -> list[dict]:
+    assert (out / f"{name}.png").stat().st_size > 0
+    return json.loads((out / f"{name}.json").read_text())
+
+
+# offload_step.py at a size the CPU runs in seconds (its tests and the PNG check)
+OFFLOAD_STEP_TINY = ["--hidden", "32", "--layers", "2", "--vocab", "300", "--chunk-numel", "700"]
+OFFLOAD_STEP_TINY += ["--warmup", "1", "--reps", "2", "--rounds", "2"]
