@@ -7,6 +7,7 @@ import importlib
 import inspect
 import re
 import sys
+import textwrap
 import types
 from pathlib import Path
 
@@ -136,10 +137,7 @@ MODULES = sorted(
 
 # Call sites the checks below refuse today, in code owned elsewhere: module -> why. Each is
 # an expected failure (strict: it must fail until fixed, then the mark must go).
-KNOWN_CALL_SITE_PROBLEMS = {
-    "offload/hybrid.py": "super().step(closure) at lines 313 and 332 is checked against "
-    "every entry of a method named step, the 'chained step' entry (params ()) included",
-}
+KNOWN_CALL_SITE_PROBLEMS: dict[str, str] = {}
 
 
 def module_cases(known):
@@ -657,7 +655,25 @@ def _entry_calls(tree: ast.AST):
             if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
                 todo.extend(ast.iter_child_nodes(node))
 
-    def walk(scope, outer):
+    # the base-class names of the class each method is defined in: super().name(...) there
+    # calls the entry of that base's method, not every entry of a method of that name
+    bases_of: dict[int, set[str]] = {}
+    for cls in ast.walk(tree):
+        if isinstance(cls, ast.ClassDef):
+            names = {b.id for b in cls.bases if isinstance(b, ast.Name)}
+            for item in cls.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    bases_of[id(item)] = names
+
+    def is_super(node) -> bool:
+        return (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "super"
+        )
+
+    def walk(scope, outer, bases=frozenset()):
+        bases = bases_of.get(id(scope), bases)
         aliases = dict(outer)
         if isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
             for a in ast.walk(scope.args):
@@ -671,7 +687,7 @@ def _entry_calls(tree: ast.AST):
                     aliases[node.targets[0].id] = e
         for node in nodes:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-                yield from walk(node, aliases)
+                yield from walk(node, aliases, bases)
             if not isinstance(node, ast.Call):
                 continue
             f = node.func
@@ -684,10 +700,19 @@ def _entry_calls(tree: ast.AST):
                 continue
             if isinstance(f, ast.Attribute) and f.attr in methods:
                 unbound = isinstance(f.value, ast.Attribute) and f.value.attr == "_flat_base"
-                for e in methods[f.attr]:
+                candidates = methods[f.attr]
+                if is_super(f.value) and bases:
+                    owned = [e for e in candidates if _target_class(e) in bases]
+                    candidates = owned or candidates
+                for e in candidates:
                     yield e, node, unbound
 
     yield from walk(tree, {})
+
+
+def _target_class(entry) -> str:
+    """The class of a method entry's target (``module:Class.method`` -> ``Class``)."""
+    return entry.target.partition(":")[2].rsplit(".", 1)[0].rsplit(".", 1)[-1]
 
 
 def _call_problem(entry, node: ast.Call, unbound: bool) -> str | None:
@@ -750,3 +775,34 @@ def test_a_parameter_our_wrapper_reads_by_name_is_checked_though_it_forwards(mon
     check_against(monkeypatch, "training step", train_step=train_step)
     refused(monkeypatch, "training step", r"no longer takes optional positional 'iteration'",
             train_step=renamed)  # fmt: skip
+
+
+def test_super_calls_are_checked_against_the_base_classes_entry():
+    """``super().step(closure)`` in a subclass of ``HybridDeviceOptimizer`` is that class's
+    ``step`` (``closure=``), not ``ChainedOptimizer.step`` (no arguments); a wrong call
+    there is still caught, and a super call in a class of no known base is checked against
+    every entry of that name."""
+    source = textwrap.dedent(
+        """
+        class Mine(HybridDeviceOptimizer):
+            def step(self, closure=None):
+                return super().step(closure)
+
+        class Wrong(HybridDeviceOptimizer):
+            def step(self, closure=None):
+                return super().step(closure, 1, 2)
+
+        class Unknown(Something):
+            def step(self, closure=None):
+                return super().step(closure)
+        """
+    )
+    problems = {}
+    for entry, node, unbound in _entry_calls(ast.parse(source)):
+        problems.setdefault(node.lineno, []).append(
+            (entry.name, _call_problem(entry, node, unbound))
+        )
+    assert problems[4] == [("hdo step", None)]
+    assert [name for name, _ in problems[8]] == ["hdo step"] and problems[8][0][1]
+    unknown = dict(problems[12])
+    assert unknown["hdo step"] is None and unknown["chained step"] is not None
