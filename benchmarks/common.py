@@ -140,6 +140,7 @@ SCRIPTS = (
     "clip_step.py",
     "train_step.py",
     "cpu_norm.py",
+    "offload_overlap.py",
 )
 
 

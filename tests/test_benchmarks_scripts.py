@@ -15,7 +15,8 @@ from tests.support.bench_scripts import OFFLOAD_STEP_TINY, ROOT, load_script
 # --- every script: --help, where it runs from, where it writes, what it says --------------
 
 SCRIPTS = (
-    "norm_clip", "memory", "offload", "offload_step", "clip_step", "train_step", "cpu_norm"
+    "norm_clip", "memory", "offload", "offload_step", "clip_step", "train_step", "cpu_norm",
+    "offload_overlap",
 )  # fmt: skip
 HELPERS = (
     "common", "inventories", "norm_clip_variants", "norm_clip_measure", "norm_clip_stock",

@@ -67,7 +67,8 @@ class Config:
 
 CONFIGS = {
     "dense": Config(()),
-    "dense_pa_offload": Config((*PA, *OFFLOAD)),
+    # megatron-core's per-parameter CPU step (ours' default is chunked: the last config)
+    "dense_pa_offload": Config((*PA, *OFFLOAD), ours_only=("--offload-step", "per_parameter")),
     "router_fp32": Config(tuple(ISLANDS)),
     "router_fp32_pa": Config(
         # the one-list norm over bf16 and fp32 gradients that gives GPTModel cells of
@@ -75,7 +76,9 @@ CONFIGS = {
         (*ISLANDS, *PA),
     ),
     "router_fp32_pa_offload": Config(
-        (*ISLANDS, *PA, *OFFLOAD), stock_known="fails to build: can't optimize a non-leaf Tensor"
+        (*ISLANDS, *PA, *OFFLOAD),
+        ours_only=("--offload-step", "per_parameter"),
+        stock_known="fails to build: can't optimize a non-leaf Tensor",
     ),
     "router_fp32_pa_offload_chunked": Config(
         (*ISLANDS, *PA, *OFFLOAD),

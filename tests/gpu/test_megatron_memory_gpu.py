@@ -46,7 +46,7 @@ def held_and_in_step(kind: str, option: bool) -> dict:
         in_step.append(torch.cuda.memory_allocated() - before)
         ok, norm, _ = opt.step()
         assert ok
-        norms.append((norm.item(), ref))
+        norms.append((float(norm), ref))  # stock returns a float, ours a tensor
     bf16 = sum(p.numel() for p in model.module.parameters() if p.dtype == torch.bfloat16)
     del model, opt
     gc.collect()
@@ -55,6 +55,10 @@ def held_and_in_step(kind: str, option: bool) -> dict:
 
 @pytest.mark.parametrize("kind", ["distopt", "distopt_buckets", "float16"])
 def test_ours_holds_no_more_than_stock_between_steps(kind):
+    # First a discarded run of stock's: what a process allocates once, at its first build
+    # and step, stays allocated and was counted against whichever ran first (68 MB more
+    # held by ours in the session's first cell, the other cells equal: GPU log run 78).
+    held_and_in_step(kind, False)
     ours = held_and_in_step(kind, True)
     stock = held_and_in_step(kind, False)
     copy = 4 * ours["bf16"]
