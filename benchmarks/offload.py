@@ -59,7 +59,7 @@ from benchmarks import common, inventories, memory
 from benchmarks.inventories import Inventory
 from buffers.spans import Span, dp_shard_spans, intersect_spans, merge_spans
 from megatron_ext.offload import host_mirror
-from megatron_ext.offload import plan as offload_plan
+from megatron_ext.offload import mirror_plan as offload_plan
 
 NAME = "offload"
 VARIANTS = ("per_param", "flat")

@@ -21,7 +21,7 @@ Variants, same parameters, same run:
   copy per block.
 - ``chunked``: :mod:`megatron_ext.offload.step` (``MegatronOptions(offload_step="chunked")``):
   every chunk's device-to-host copy issued at once on a copy stream; per chunk wait, then
-  one call of the compiled kernel (:mod:`megatron_ext.offload.native`: per element the bf16
+  one call of the compiled kernel (:mod:`megatron_ext.offload.host_kernel`: per element the bf16
   gradient widened, torch's fused AdamW arithmetic, the parameter rounded to bf16 into the
   staging, in one pass; its ``cpu_update`` phase holds all of it, ``convert`` and ``pack``
   are 0), and its host-to-device copy on another stream. Where the kernel is not available
@@ -73,8 +73,8 @@ from benchmarks import common
 from buffers.plan import ALIGN  # megatron-core's parameter alignment too
 from buffers.spans import Span
 from megatron_ext.offload import host_mirror
-from megatron_ext.offload import native as offload_native
-from megatron_ext.offload import plan as offload_plan
+from megatron_ext.offload import host_kernel as offload_native
+from megatron_ext.offload import mirror_plan as offload_plan
 from megatron_ext.offload.step import (
     DEFAULT_CHUNK_NUMEL,
     DEFAULT_COMPUTE_NUMEL,

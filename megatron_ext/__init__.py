@@ -21,10 +21,10 @@ from .config import DistributedDataParallelConfig
 from .ddp import DistributedDataParallel, LayoutMismatchError
 from .fp32 import Float16Module, cast_marked_to_fp32, mark_keep_in_fp32
 from .install import install, uninstall
+from .megatron_options import MegatronOptions
 from .norm_audit import AuditResult, NormOwnershipError, audit_norm_ownership, explain_norm
 from .offload_drain import drain_offload
 from .optimizer import enable_flat_norm, get_megatron_optimizer
-from .options import MegatronOptions
 from .refusals import UnsupportedCombinationError
 from .stack import Stack, build_stack
 from .wgrad_fusion import MissingFusionKernelError

@@ -19,6 +19,7 @@ from .flat_chain import FlatChainedOptimizer
 from .flat_optimizer import FlatNormOptimizer
 from .flat_state import FlatNormState
 from .global_param_norms import global_param_names
+from .megatron_options import MegatronOptions
 from .opt_checkpoint import (
     align_group_order,
     create_state_before_loading,
@@ -31,7 +32,6 @@ from .opt_state import (
     buffers_device,
     placed_buffers,
 )
-from .options import MegatronOptions
 from .targets import FlatOptimizerState
 
 __all__ = [

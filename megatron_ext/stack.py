@@ -12,8 +12,8 @@ import torch
 from . import seam
 from .config import DistributedDataParallelConfig
 from .ddp import DistributedDataParallel
+from .megatron_options import MegatronOptions
 from .optimizer import get_megatron_optimizer
-from .options import MegatronOptions
 
 _MCoreDDPConfig: Any = seam.target("DistributedDataParallelConfig")
 OptimizerConfig: Any = seam.target("OptimizerConfig")  # megatron-core ships no type hints

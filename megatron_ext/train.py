@@ -117,7 +117,7 @@ class TrainOptions:
 
     def megatron_options(self):
         """The :class:`megatron_ext.MegatronOptions` our optimizer is built with."""
-        from .options import MegatronOptions
+        from .megatron_options import MegatronOptions
 
         return MegatronOptions(
             offload_step=self.offload_step,

@@ -21,10 +21,10 @@ def device(request) -> torch.device:
 @pytest.fixture
 def fresh_native(monkeypatch, tmp_path):
     """No compiled kernel loaded yet in this process (the CPU norm's, ``buffers.native``,
-    and the offloaded step's, ``megatron_ext.offload.native``), an empty cache folder of
+    and the offloaded step's, ``megatron_ext.offload.host_kernel``), an empty cache folder of
     its own, ``BUFFERS_CPU_KERNEL`` unset. Returns the cache folder."""
     from buffers import native
-    from megatron_ext.offload import native as offload_native
+    from megatron_ext.offload import host_kernel as offload_native
 
     monkeypatch.setattr(native, "_LOADED", {})
     monkeypatch.setattr(offload_native, "_LOADED", {})

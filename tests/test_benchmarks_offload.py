@@ -125,7 +125,7 @@ def test_offload_step_notices_a_compiled_kernel_that_differs(monkeypatch):
     """The compiled kernel skipping one chunk is seen against the per-parameter step and
     the chunked step on torch's ops."""
     script = load_script("offload_step")
-    from megatron_ext.offload import native
+    from megatron_ext.offload import host_kernel as native
 
     native.kernel()
     real, calls = native.HostAdamW.run, []

@@ -281,7 +281,7 @@ def _kernel_reads(mirror, mine, runs, copies, compute, kernel="torch"):
     gradients at, read just before the call."""
     import ctypes
 
-    from megatron_ext.offload import native
+    from megatron_ext.offload import host_kernel as native
 
     entries = []
     for _, span in mine:

@@ -125,7 +125,7 @@ def test_threads_are_set_for_the_step_and_restored(cpu_streams, monkeypatch):
     child.optimizer.step()
     assert counts and set(counts) == {other} and torch.get_num_threads() == before
     # the compiled kernel is handed the same number of threads
-    from megatron_ext.offload import native
+    from megatron_ext.offload import host_kernel as native
 
     handed = []
     real_run = native.HostAdamW.run

@@ -23,7 +23,7 @@ def test_the_compiled_kernel_runs_once_per_chunk_with_every_family(cpu_streams, 
     """The compiled kernel: one call per chunk, in chunk order, torch's fused AdamW never
     called, the families' hyperparameters (weight decay 0 and 0.1, the lr schedule) and
     the step's thread count handed over."""
-    from megatron_ext.offload import native
+    from megatron_ext.offload import host_kernel as native
 
     native.kernel()  # its probe calls torch's kernel: before the counting starts
     fused = []
@@ -59,7 +59,7 @@ def test_the_compiled_kernel_never_packs_over_gradients_not_yet_read(
     tasks among threads in any order; here every call runs its tasks one at a time in
     reverse order (a task of a later parameter packing before an earlier one has read its
     gradients, the order a busy pool can take). Still stock's result bit for bit."""
-    from megatron_ext.offload import native
+    from megatron_ext.offload import host_kernel as native
 
     native.kernel()  # loaded and probed before the reordering starts
     real_run = native.HostAdamW.run
@@ -85,7 +85,7 @@ def test_the_compiled_kernel_never_packs_over_gradients_not_yet_read(
 def test_a_chunk_no_rounds_can_order_takes_the_torch_path(cpu_streams, monkeypatch):
     """Where native.rounds finds no safe order for a chunk's tasks (None), that chunk is
     updated by torch's ops: no kernel call for it, the result stock's bit for bit."""
-    from megatron_ext.offload import native
+    from megatron_ext.offload import host_kernel as native
 
     native.kernel()
     calls = []

@@ -322,3 +322,26 @@ def test_drain_offload_lands_every_child(cpu_streams):
         m.hdo.step()
     assert drain_offload(Chain) == 2 and copied == Chain.chained_optimizers
     assert drain_offload(Chain) == 0 and len(copied) == 2
+
+
+def test_the_offload_phases_are_named_ranges_in_a_profile(cpu_streams):
+    """A profile of the offloaded steps shows each phase by name: the exact step, and with
+    the delayed update its launch and, at the next step (or a drain), its landing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def ranges(fn) -> list[str]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        names = [e.name for e in prof.events() if e.name.startswith("megatron_ext::offload")]
+        return sorted(set(names) - {"megatron_ext::offload_host_update"})  # the worker's
+
+    model = Model(True, 1.0)
+    gen = torch.Generator().manual_seed(5)
+    model.set_grads(_grads_of(model, gen), 0)
+    assert ranges(model.hdo.step) == ["megatron_ext::offload_exact_step"]  # the warm-up
+    model.hdo.delay_warmup = 0
+    model.set_grads(_grads_of(model, gen), 1)
+    assert ranges(model.hdo.step) == ["megatron_ext::offload_launch"]
+    model.set_grads(_grads_of(model, gen), 2)
+    assert ranges(model.hdo.step) == ["megatron_ext::offload_land", "megatron_ext::offload_launch"]
+    assert ranges(model.hdo.drain) == ["megatron_ext::offload_land"]

@@ -12,7 +12,7 @@ from buffers.spans import (
     to_local,
 )
 from megatron_ext.offload.host_mirror import build_buffer_mirror
-from megatron_ext.offload.plan import mirror_layout
+from megatron_ext.offload.mirror_plan import mirror_layout
 from tests.support.offload_sim import (
     MirrorPlaced,
     S,

@@ -12,7 +12,7 @@ import torch
 
 from buffers import native as buffers_native
 from buffers.spans import Span
-from megatron_ext.offload import native
+from megatron_ext.offload import host_kernel as native
 from megatron_ext.offload.step import ChunkedAdamW, HostParam, chunk_spans
 
 BF16 = torch.bfloat16

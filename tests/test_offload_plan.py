@@ -14,7 +14,12 @@ from buffers.spans import (
     merge_spans,
     subtract_spans,
 )
-from megatron_ext.offload.plan import MirrorLayout, copy_schedule, mirror_layout, offload_blocks
+from megatron_ext.offload.mirror_plan import (
+    MirrorLayout,
+    copy_schedule,
+    mirror_layout,
+    offload_blocks,
+)
 from tests.support.offload_sim import (
     S,
 )

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from megatron_ext.offload import native
+from megatron_ext.offload import host_kernel as native
 from tests.support import offload_internals
 from tests.support.offload_sim import (
     MirrorChunked,

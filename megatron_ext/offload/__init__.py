@@ -2,12 +2,12 @@
 
 The flow, one module each:
 
-- :mod:`.plan`: which elements of a buffer move, in which blocks, laid out where, and
+- :mod:`.mirror_plan`: which elements of a buffer move, in which blocks, laid out where, and
   when each block's copies run (pure data, testable on the CPU);
 - :mod:`.sources`: per buffer of a distributed optimizer, what its mirror is built from;
 - :mod:`.host_mirror`: the tensors: one pinned staging tensor per buffer, the host
   parameters and gradients, the per-block copies, built once;
-- :mod:`.step`: the CPU update over a mirror's blocks, in chunks (:mod:`.native`: its
+- :mod:`.step`: the CPU update over a mirror's blocks, in chunks (:mod:`.host_kernel`: its
   compiled kernel);
 - :mod:`.chunked`: the chunked step's driver, exact or one step late;
 - :mod:`.hybrid`: megatron-core's ``HybridDeviceOptimizer`` driving the above

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from buffers.graphs import profiler_range
+
 from .host_mirror import HostBlock, chunk_copies
 from .step import ChunkedAdamW, HostParam, chunk_spans
 from .threads import cpu_threads
@@ -194,7 +196,7 @@ class InFlightUpdate:
             # torch's intra-op thread count is per calling thread under OpenMP
             with (
                 cpu_threads(self.threads),
-                torch.profiler.record_function("megatron_ext::offload_host_update"),
+                profiler_range("megatron_ext::offload_host_update"),
             ):
                 for (k, i), chunk, event in zip(
                     self.plan.order, self.plan.copies, self.plan.events, strict=True

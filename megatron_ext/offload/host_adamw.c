@@ -4,7 +4,7 @@
  * back from. 28 bytes of memory traffic per element with fp32 moments (the fused-AdamW
  * floor's own), 20 with bf16 moments; no scratch, no second pass.
  *
- * Compiled on first use by megatron_ext/offload/native.py (plain C, no Python or torch
+ * Compiled on first use by megatron_ext/offload/host_kernel.py (plain C, no Python or torch
  * headers, -ffp-contract=off so every rounding is the one written here) and called through
  * ctypes, which releases the GIL for the duration of a call.
  *
@@ -12,7 +12,7 @@
  * fp32 tensors): the constants computed in double and rounded to float as it does, then
  * the same float operations in the same order. Two things vary between torch builds and
  * are parameters here (`variant`), chosen once per process by a probe against
- * torch._fused_adamw_ on random data (native.py): whether the compiler that built torch
+ * torch._fused_adamw_ on random data (host_kernel.py): whether the compiler that built torch
  * fused `v * beta2 + c2 * g * g` into one fused multiply-add, and the same for the scalar
  * code that finishes each tensor's last (numel mod vector width) elements. The element
  * where that scalar tail starts is given per task by the caller.

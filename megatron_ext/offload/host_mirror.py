@@ -10,7 +10,7 @@ import torch
 
 from buffers.spans import Span, to_local
 
-from .plan import MirrorLayout, itemsize
+from .mirror_plan import MirrorLayout, itemsize
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from buffers.graphs import profiler_range
 from buffers.spans import Span
 
 from .. import seam
@@ -48,8 +49,8 @@ from .chunked import (
     run_exact,
 )
 from .host_mirror import BufferMirror, HostBlock
+from .mirror_plan import copy_schedule, itemsize
 from .moment_dtypes import offload_moment_dtypes
-from .plan import copy_schedule, itemsize
 from .sources import OffloadSource, offload_sources, source_mirror
 from .step import DEFAULT_CHUNK_NUMEL, DEFAULT_COMPUTE_NUMEL, chunked_step_refusal
 from .threads import cpu_threads, delayed_update_threads, threads_warning
@@ -285,10 +286,10 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         if self._torn is not None:
             raise RuntimeError(self._torn)
         if self.delayed_update and self._past_warmup():
-            with torch.profiler.record_function("megatron_ext::offload_launch"):
+            with profiler_range("megatron_ext::offload_launch"):
                 self._in_flight = launch_delayed(self, plan)
         else:
-            with torch.profiler.record_function("megatron_ext::offload_exact_step"):
+            with profiler_range("megatron_ext::offload_exact_step"):
                 run_exact(self, plan)
 
     def _chunked_plan(self) -> ChunkedPlan | None:
@@ -337,7 +338,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return False
-        with torch.profiler.record_function("megatron_ext::offload_land"):
+        with profiler_range("megatron_ext::offload_land"):
             land_delayed(self, flight)
         return True
 

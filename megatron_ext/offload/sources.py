@@ -13,7 +13,7 @@ import torch
 from buffers.spans import Span
 
 from .host_mirror import add_island_copies, build_buffer_mirror
-from .plan import MirrorLayout, mirror_layout
+from .mirror_plan import MirrorLayout, mirror_layout
 
 
 @dataclass

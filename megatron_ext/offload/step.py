@@ -26,7 +26,7 @@ import torch
 
 from buffers.spans import Span
 
-from . import native
+from . import host_kernel
 
 # Each chunk is one fused call per hyperparameter set and one copy each way; 4 Mi elements
 # (16 MiB of fp32) keeps a 335M-element shard at ~80 chunks (the per-call overhead is tens
@@ -43,7 +43,7 @@ DEFAULT_COMPUTE_NUMEL = 2**20
 # gives every element the code path it has in the whole parameter: results stay bit-equal.
 CUT_QUANTUM = 64
 
-# how a chunk is updated: "auto" the compiled kernel (:mod:`.native`: one pass per element)
+# how a chunk is updated: "auto" the compiled kernel (:mod:`.host_kernel`: one pass per element)
 # where it is built and reproduces torch's fused AdamW here, else torch's ops; "native"
 # the kernel or an error; "torch" torch's ops (convert, torch._fused_adamw_, pack)
 KERNELS = ("auto", "native", "torch")
@@ -191,8 +191,8 @@ class ChunkedAdamW:
             raise ValueError(f"the host parameters must be fp32, got {host_params.dtype}")
         self.moment_dtypes = tuple(moment_dtypes)
         self._moment_kinds = (
-            native.KINDS[self.moment_dtypes[0]],
-            native.KINDS[self.moment_dtypes[1]],
+            host_kernel.KINDS[self.moment_dtypes[0]],
+            host_kernel.KINDS[self.moment_dtypes[1]],
         )
         if cpu_grads is not None and (
             host_params.shape != cpu_grads.shape or host_params.dtype != cpu_grads.dtype
@@ -261,7 +261,7 @@ class ChunkedAdamW:
         self._hyper: list[tuple] = []
         self._plans: dict[int, tuple[object, tuple[_SubRange, ...]]] = {}
         self._native_plans: dict[int, tuple[object, object]] = {}
-        self._native: native.HostAdamW | None = None  # resolved at the first begin()
+        self._native: host_kernel.HostAdamW | None = None  # resolved at the first begin()
         self._native_resolved = False
         self._hyper_c: Any = None  # a ctypes array of the hyperparameters, per begin()
         self.updated = 0  # fused calls made since begin()
@@ -354,16 +354,16 @@ class ChunkedAdamW:
             self._native = self._resolve_kernel()
             self._native_resolved = True
         if self._native is not None:
-            self._hyper_c = native.hyper_array(self._hyper)
+            self._hyper_c = host_kernel.hyper_array(self._hyper)
 
-    def _resolve_kernel(self) -> native.HostAdamW | None:
+    def _resolve_kernel(self) -> host_kernel.HostAdamW | None:
         if self.kernel == "torch":
             return None
-        found = native.kernel()
+        found = host_kernel.kernel()
         if found is None and self.kernel == "native":
             raise RuntimeError(
                 "kernel='native': the offloaded step's compiled kernel is not available "
-                f"({native.describe()}); use kernel='auto' to fall back to torch's ops"
+                f"({host_kernel.describe()}); use kernel='auto' to fall back to torch's ops"
             )
         return found
 
@@ -486,7 +486,7 @@ class ChunkedAdamW:
 
     def _native_plan(self, chunk: int, copies):
         """Chunk ``chunk``'s tasks for the compiled kernel, in rounds (ctypes arrays, one
-        kernel call each: :func:`~megatron_ext.offload.native.rounds`; built at its first
+        kernel call each: :func:`~megatron_ext.offload.host_kernel.rounds`; built at its first
         update and kept; none for a chunk of padding only), or None where the kernel cannot
         take it: gradients, island stagings or packed parameters in a dtype other than
         bf16 / fp32, island gradients the torch path would also copy into the mirror's own
@@ -508,18 +508,18 @@ class ChunkedAdamW:
             grads, origin = self.cpu_grads, 0
         else:
             return None
-        if grads.dtype not in native.KINDS:
+        if grads.dtype not in host_kernel.KINDS:
             return None
         islands = []
         for stage, _, cpu, at in () if copies is None else copies.islands:
-            if stage.dtype not in native.KINDS or (convert is None and cpu is not None):
+            if stage.dtype not in host_kernel.KINDS or (convert is None and cpu is not None):
                 return None
             islands.append((Span(at, at + stage.numel()), stage))
         islands.sort(key=lambda i: i[0].start)
         out = None
         if copies is not None and copies.pack is not None:
             dst, src = copies.pack
-            if dst.dtype not in native.KINDS or (
+            if dst.dtype not in host_kernel.KINDS or (
                 src.numel() and src.data_ptr() != self.host_params[c0:].data_ptr()
             ):
                 return None
@@ -547,7 +547,7 @@ class ChunkedAdamW:
                     runs.append((Span(pos, s.end), grads, origin))
                 for run, source, at in runs:
                     a, b = run.start, run.end
-                    tasks += native.tasks_for(
+                    tasks += host_kernel.tasks_for(
                         self.host_params[a:b],
                         source[a - at : b - at],
                         exp_avg[a:b],
@@ -564,13 +564,13 @@ class ChunkedAdamW:
                 if pos < s.start:
                     gap = Span(pos, s.start)
                     tasks.append(
-                        native.pack_task(
+                        host_kernel.pack_task(
                             self._flat(self.host_params, gap), out[pos - c0 : s.start - c0]
                         )
                     )
                 pos = max(pos, s.end)
         # packed parameters may land on gradients other tasks of the chunk still read
-        ordered = native.rounds(tasks)
+        ordered = host_kernel.rounds(tasks)
         if ordered is None:
             return None
-        return tuple((native.Task * len(r))(*r) for r in ordered)  # (): padding only
+        return tuple((host_kernel.Task * len(r))(*r) for r in ordered)  # (): padding only

@@ -57,7 +57,7 @@ def held_and_in_step(kind: str, option: bool) -> dict:
 def test_ours_holds_no_more_than_stock_between_steps(kind):
     # First a discarded run of stock's: what a process allocates once, at its first build
     # and step, stays allocated and was counted against whichever ran first (68 MB more
-    # held by ours in the session's first cell, the other cells equal: GPU log run 78).
+    # held by ours in the first cell a process ran, the other cells equal: GPU log run 78).
     held_and_in_step(kind, False)
     ours = held_and_in_step(kind, True)
     stock = held_and_in_step(kind, False)

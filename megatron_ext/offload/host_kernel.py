@@ -89,7 +89,7 @@ class HostAdamW:
         lib = ctypes.CDLL(str(path))
         self.path = path
         if lib.adamw_host_task_size() != ctypes.sizeof(Task):
-            raise RuntimeError("host_adamw.c's task layout disagrees with native.py's")
+            raise RuntimeError("host_adamw.c's task layout disagrees with host_kernel.py's")
         self._step = lib.adamw_host_step
         self._step.restype = None
         self._step.argtypes = [
