@@ -14,12 +14,9 @@ the flags: a parameter split across tensor-parallel ranks yet not flagged looks 
 to it (NVIDIA/Megatron-LM#5916). :mod:`megatron_ext.ownership` checks the rules themselves.
 
 Cost: one ``all_gather_object`` per norm group of every rank's claims (O(local parameters)
-small tuples, ~50 bytes each), then a sort per parameter piece, on every rank: O(parameters
-x ranks in the group). Measured on one CPU core for 10,000 parameters on each of 8 ranks:
-building one rank's claims 0.08 s, pickling them 0.03 s (0.5 MB), unpickling all 8 0.1 s,
-the check 0.2 s (0.7 s on a loaded machine): about a second with the collective. It grows
-linearly with the group: a distributed-optimizer group of 1,024 ranks gathers ~0.5 GB on
-every rank and checks for tens of seconds, so audit such jobs once, at start-up.
+small tuples), then a sort per parameter piece, on every rank: O(parameters x ranks in the
+group), growing linearly with the group, so audit large distributed-optimizer groups once, at
+start-up (measured costs: docs/RESULTS.md, "The norm-ownership audit's cost").
 """
 
 from __future__ import annotations
