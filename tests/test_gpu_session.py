@@ -11,9 +11,9 @@ echo "DEVICE=${MEGATRON_TEST_DEVICE:-} PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_
 """
 
 
-def test_the_reshard_step_runs_the_cpu_resharding_files_on_cuda(tmp_path):
-    """MEGATRON_TEST_DEVICE=cuda, tests/support/multirank first on PYTHONPATH (collectives
-    one by one for gloo on CUDA tensors), the CPU suite's DP, TP and PP files themselves."""
+def stub_repo(tmp_path):
+    """A scratch copy of gpu_session.sh with a wheel to install and a python3 on PATH that
+    records how it was called: (root, call log, $OUT, environment)."""
     root = tmp_path / "repo"
     (root / "scripts").mkdir(parents=True)
     (root / ".whl").mkdir()
@@ -27,6 +27,13 @@ def test_the_reshard_step_runs_the_cpu_resharding_files_on_cuda(tmp_path):
     log, out = tmp_path / "calls", tmp_path / "out"
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                STUB_LOG=str(log), OUT=str(out))  # fmt: skip
+    return root, log, out, env
+
+
+def test_the_reshard_step_runs_the_cpu_resharding_files_on_cuda(tmp_path):
+    """MEGATRON_TEST_DEVICE=cuda, tests/support/multirank first on PYTHONPATH (collectives
+    one by one for gloo on CUDA tensors), the CPU suite's DP, TP and PP files themselves."""
+    root, log, out, env = stub_repo(tmp_path)
     env.pop("MEGATRON_TEST_DEVICE", None)
     proc = subprocess.run(["bash", "scripts/gpu_session.sh", "reshard"], cwd=root, env=env,
                           capture_output=True, text=True)  # fmt: skip
@@ -44,19 +51,7 @@ def test_the_reshard_step_runs_the_cpu_resharding_files_on_cuda(tmp_path):
 def test_the_offload_overlap_step_runs_the_benchmark_with_its_loss_curves(tmp_path):
     """The step runs benchmarks/offload_overlap.py on CUDA into $OUT/bench with 200-step
     loss curves, and OFFLOAD_OVERLAP_ARGS replaces those arguments."""
-    root = tmp_path / "repo"
-    (root / "scripts").mkdir(parents=True)
-    (root / ".whl").mkdir()
-    (root / ".whl" / "megatron_core-0.19.2-py3-none-any.whl").write_bytes(b"w")
-    shutil.copy(Path(__file__).resolve().parents[1] / "scripts" / "gpu_session.sh",
-                root / "scripts")  # fmt: skip
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(RECORDING_PYTHON)
-    (bin_dir / "python3").chmod(0o755)
-    log, out = tmp_path / "calls", tmp_path / "out"
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-               STUB_LOG=str(log), OUT=str(out))  # fmt: skip
+    root, log, out, env = stub_repo(tmp_path)
     for extra, expected in ((None, "--loss-steps 200"), ("--micro-batches 8", "--micro-batches 8")):
         env.pop("OFFLOAD_OVERLAP_ARGS", None)
         if extra is not None:

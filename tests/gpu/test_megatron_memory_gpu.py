@@ -25,7 +25,7 @@ SLACK = 64 * 1024  # alignment padding and the norm's scalars; one fp32 copy is 
 
 @pytest.fixture(autouse=True)
 def _world(megatron_world):
-    """Every test here runs inside the session's one-rank NCCL world (conftest.py)."""
+    """Every test here runs inside the test process's one-rank NCCL world (conftest.py)."""
 
 
 def held_and_in_step(kind: str, option: bool) -> dict:

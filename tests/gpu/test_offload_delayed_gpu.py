@@ -16,7 +16,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.fixture(autouse=True)
 def _world(megatron_world):
-    """Every test here runs inside the session's one-rank NCCL world (conftest.py)."""
+    """Every test here runs inside the test process's one-rank NCCL world (conftest.py)."""
 
 
 def params(model) -> list[torch.Tensor]:
