@@ -1,0 +1,89 @@
+"""The delayed offloaded update inside a real training loop, on the CPU: megatron-core's DDP
+and distributed optimizer (``tests/support/cpu_megatron.py``), each step ``zero_grad_buffer``,
+``zero_grad``, forward and backward, ``finish_grad_sync``, ``step``, as Megatron's loop and
+``benchmarks/offload_overlap.py`` call them, with the host worker running beside the next
+forward and backward.
+
+The reference is the exact chunked step on a second, identical stack, fed the gradients the
+delayed run computed (copied into its buffers after the delayed run's backward): after each
+step, what the delayed run's model holds must equal, bit for bit, what the reference held
+one step before (one step late, nothing lost or applied twice)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_megatron_cpu import batch, run_ranks, to_model
+from tests.test_megatron_cpu_reshard import adam_path, build
+
+pytest.importorskip("megatron.core")
+
+STEPS = 6
+
+
+def _stack(delayed: bool, pa: bool, fraction: float):
+    import megatron_ext
+
+    options = megatron_ext.MegatronOptions(
+        offload_step="chunked", offload_delayed_update=delayed, offload_delay_warmup=1
+    )
+    return build(
+        True,
+        optimizer_cpu_offload=True,
+        optimizer_offload_fraction=fraction,
+        use_precision_aware_optimizer=pa,
+        options=options,
+    )
+
+
+def _held(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def delayed_loop_job(rank, world, log, out_dir, pa, fraction):
+    import megatron_ext
+
+    with adam_path("torch+offload"):  # megatron-core's placement, as on a device
+        ours, ours_opt = _stack(True, pa, fraction)
+        ref, ref_opt = _stack(False, pa, fraction)
+    before = _held(ref)
+    out = []
+    for s in range(STEPS):
+        for model, opt in ((ours, ours_opt), (ref, ref_opt)):
+            model.zero_grad_buffer()
+            opt.zero_grad()
+        ours(*to_model(ours, *batch(0, s))).backward()
+        ours.finish_grad_sync()
+        for a, b in zip(ours.all_grad_buffers(), ref.all_grad_buffers(), strict=True):
+            b.grad_data.copy_(a.grad_data)
+        ok, norm, _ = ours_opt.step()
+        ref_ok, ref_norm, _ = ref_opt.step()
+        held = _held(ours)
+        expect = before if s >= 1 else _held(ref)  # step 0: the warm-up, exact
+        out.append(
+            dict(
+                ok=(ok, ref_ok),
+                norms=(float(norm), float(ref_norm)),
+                differ=sorted(n for n in held if not torch.equal(held[n], expect[n])),
+            )
+        )
+        before = _held(ref)
+    megatron_ext.drain_offload(ours_opt)
+    last = _held(ours)
+    out.append(dict(drained=sorted(n for n in last if not torch.equal(last[n], before[n]))))
+    return out
+
+
+@pytest.mark.parametrize("fraction", [1.0])
+@pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])
+def test_delayed_update_in_a_training_loop_is_the_exact_update_one_step_late(
+    tmp_path, pa, fraction
+):
+    (steps,) = run_ranks(tmp_path, 1, delayed_loop_job, pa, fraction)
+    *per_step, drained = steps
+    for s, r in enumerate(per_step):
+        assert r["ok"] == (True, True), s
+        assert r["norms"][0] == r["norms"][1], s
+        assert r["differ"] == [], f"step {s}: {r['differ']}"
+    assert drained["drained"] == []
