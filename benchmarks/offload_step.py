@@ -72,8 +72,8 @@ import torch
 from benchmarks import common
 from buffers.plan import ALIGN  # megatron-core's parameter alignment too
 from buffers.spans import Span
-from megatron_ext.offload import host_mirror
 from megatron_ext.offload import host_kernel as offload_native
+from megatron_ext.offload import host_mirror
 from megatron_ext.offload import mirror_plan as offload_plan
 from megatron_ext.offload.step import (
     DEFAULT_CHUNK_NUMEL,

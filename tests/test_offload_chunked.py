@@ -114,7 +114,8 @@ def test_chunked_step_is_stock_bit_for_bit_at_any_chunk_size(
     for stepper in offload_internals.chunked(ours[2]).steppers:
         assert stepper.uses_native is native
         assert stepper.native_updates == (len(stepper.chunks) if native else 0)
-    steppers, copies, _, _ = offload_internals.chunked(ours[2])
+    parts = offload_internals.chunked(ours[2])
+    steppers, copies = parts.steppers, parts.copies
     subs = sum(len(c) for s in steppers for c in s.subs)
     assert (subs > len(copies)) == (compute < chunk)
     blocks = sum(len(m.blocks) for m in ours[2].host_mirrors)

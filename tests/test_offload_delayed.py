@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megatron_ext import drain_offload
+from tests.support import offload_internals
 from tests.support.offload_sim import (
     FP32_SHAPES,
     SHAPES,
@@ -176,6 +177,32 @@ def test_delayed_update_equals_adamw_applied_one_step_late(cpu_streams, fraction
     ref.land()
     assert_device(model, ref, "drained")
     assert_state(model, ref)
+
+
+@pytest.mark.parametrize("pa", [True, False], ids=["pa", "main-shards"])
+def test_gradients_cross_to_the_host_while_parameters_cross_back(cpu_streams, pa):
+    """A delayed step's copies to the host wait for the gradients (the compute stream's
+    work before the step), not for the copies back that landing the previous update
+    issues: the parameters leave from staging bytes of their own, so both directions run
+    at once. The exact step keeps one staging (its copies are not concurrent)."""
+    model = Model(pa, 1.0)
+    ref = Reference(model, delayed=True, warmup=MirrorDelayed.delay_warmup)
+    run(model, ref, range(5))
+    mirrors = model.hdo.host_mirrors
+    assert all(m.param_staging is not None for m in mirrors)
+    assert all(m.stats()["param_staging_bytes"] == m.param_staging.numel() for m in mirrors)
+    chunks = len(offload_internals.chunked(model.hdo).copies)
+    h2d = [op for op in cpu_streams.copies if op.what.startswith("h2d")]
+    d2h = [op for op in cpu_streams.copies if op.what.startswith("d2h")]
+    landed, sent = h2d[-chunks:], d2h[-chunks:]  # the last step's, both ways
+    assert len({op.stream for op in landed}) == len({op.stream for op in sent}) == 1
+    assert landed[0].stream is not sent[0].stream
+    assert all(op.after.get(landed[0].stream, 0) < landed[0].index for op in sent)
+    # and the copies of an exact step (the warm-up) still wait, sharing one staging
+    exact = Model(pa, 1.0, cls=MirrorChunked)
+    assert all(m.param_staging is None for m in exact.hdo.host_mirrors)
+    landed = model.hdo.last_landed
+    assert landed is not None and landed.worker_s > 0 and landed.wait_s >= 0
 
 
 def test_the_delay_is_seen_and_the_exact_step_is_not_delayed(cpu_streams):

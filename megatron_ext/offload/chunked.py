@@ -11,10 +11,15 @@ iteration t:
 1. lands step t-1's update: waits for its host worker, then issues its parameters'
    host-to-device copies, after the compute stream's work so far (the forward and backward
    of iteration t, which read the parameters step t-1 had not yet changed);
-2. issues step t's gradient copies to the host (after those copies back, which read the
-   same staging bytes; the compute stream's later work, the next zeroing of the gradient
-   buffer, after them), and steps the GPU-resident part (offload fraction < 1) at once;
+2. issues step t's gradient copies to the host (the compute stream's later work, the next
+   zeroing of the gradient buffer, after them), and steps the GPU-resident part (offload
+   fraction < 1) at once;
 3. starts step t's host update on a worker thread and returns.
+
+The parameters go back from pinned bytes of their own (``split_staging`` of
+:func:`~.host_mirror.build_buffer_mirror`), so the copies of steps 1 and 2 run at once, one
+each way over the bus; the worker packs a chunk's new parameters only once that chunk's
+copy back (step 1) is complete.
 
 So iteration t+1's forward and backward run beside step t's host update and read the
 host-updated parameters as step t-1 left them: one step late. Everything that decides
@@ -35,6 +40,7 @@ its step count, so a resumed run does not warm up again) run exact.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -57,6 +63,12 @@ class ChunkedPlan(NamedTuple):
     copies: list[HostBlock]  # one per chunk, in the order they are updated
     events: list  # per chunk: its device-to-host copy is complete (torch.cuda.Event)
     order: list[tuple[int, int]]  # per chunk: (its mirror, its index among that mirror's)
+    # per chunk: the host-to-device copy last issued for it is complete (its parameters'
+    # staging may be packed again); never recorded before the first
+    landed: list
+    # the gradients' copies to the host write bytes the parameters' copies back read (a
+    # mirror without split staging): the former then wait for the latter
+    shared_staging: bool
 
 
 def build_chunked_plan(hdo: HostMirrorHybridOptimizer) -> ChunkedPlan:
@@ -98,19 +110,25 @@ def build_chunked_plan(hdo: HostMirrorHybridOptimizer) -> ChunkedPlan:
         copies += chunk_copies(m, runs)
         order += [(k, i) for i in range(len(runs))]
     events = [torch.cuda.Event() for _ in copies]
-    return ChunkedPlan(steppers, copies, events, order)
+    landed = [torch.cuda.Event() for _ in copies]
+    shared = any(m.param_staging is None and not m.device_convert for m in hdo.host_mirrors)
+    return ChunkedPlan(steppers, copies, events, order, landed, shared)
 
 
-def _begin(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> torch.cuda.Stream:
+def _begin(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan, ready=None) -> torch.cuda.Stream:
     """Hyperparameters read, counters prepared, every chunk's device-to-host copy issued on
-    the copy stream after the compute stream's work so far; returns the compute stream."""
+    the copy stream after the compute stream's work so far (or, given ``ready``, after the
+    compute stream's work up to that event); returns the compute stream."""
     hdo._sync_hdo_param_groups_to_sub_optimizers()
     for stepper in plan.steppers:
         stepper.begin()
     compute = torch.cuda.current_stream()
-    hdo._d2h_stream.wait_stream(compute)
-    # the staging may still be read by copies back issued before (a landed delayed update)
-    hdo._d2h_stream.wait_stream(hdo._h2d_stream)
+    if ready is None:
+        hdo._d2h_stream.wait_stream(compute)
+    else:
+        hdo._d2h_stream.wait_event(ready)
+    if plan.shared_staging:  # the staging may still be read by copies back issued before
+        hdo._d2h_stream.wait_stream(hdo._h2d_stream)
     with torch.cuda.stream(hdo._d2h_stream):
         for chunk, event in zip(plan.copies, plan.events, strict=True):
             chunk.start_d2h()
@@ -153,12 +171,17 @@ def run_exact(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> None:
     hdo._h2d_stream.wait_stream(compute)
     waited = 0
     try:
-        for (k, i), chunk, event in zip(plan.order, plan.copies, plan.events, strict=True):
+        for j, ((k, i), chunk, event) in enumerate(
+            zip(plan.order, plan.copies, plan.events, strict=True)
+        ):
+            # (this copy waited for the compute stream, which waited for the previous
+            # step's copies back: the chunk's staging is free to pack into once it is done)
             event.synchronize()
             waited += 1
             plan.steppers[k].update(i, chunk)
             with torch.cuda.stream(hdo._h2d_stream):
                 chunk.start_h2d()
+                plan.landed[j].record(hdo._h2d_stream)
         # after the CPU part: a CPU failure leaves the GPU part untouched too
         if hdo.gpu_optimizer is not None:
             hdo.gpu_optimizer.step()
@@ -183,6 +206,7 @@ class InFlightUpdate:
     gpu_stepped: bool = False
     waited: int = 0  # chunks whose device-to-host copy the worker has waited for
     error: BaseException | None = None
+    seconds: float = 0.0  # the worker's wall time, once it has ended
     thread: threading.Thread = field(init=False)
 
     def start(self) -> None:
@@ -192,20 +216,28 @@ class InFlightUpdate:
         self.thread.start()
 
     def _run(self) -> None:
+        start = time.perf_counter()
         try:
             # torch's intra-op thread count is per calling thread under OpenMP
             with (
                 cpu_threads(self.threads),
                 profiler_range("megatron_ext::offload_host_update"),
             ):
-                for (k, i), chunk, event in zip(
-                    self.plan.order, self.plan.copies, self.plan.events, strict=True
+                for (k, i), chunk, event, landed in zip(
+                    self.plan.order,
+                    self.plan.copies,
+                    self.plan.events,
+                    self.plan.landed,
+                    strict=True,
                 ):
                     event.synchronize()
                     self.waited += 1
+                    landed.synchronize()  # the last copy back out of these bytes
                     self.plan.steppers[k].update(i, chunk)
         except BaseException as error:  # handed to the thread that lands the update
             self.error = error
+        finally:
+            self.seconds = time.perf_counter() - start
 
     def wait(self) -> None:
         """Until the worker has ended, and every copy it had not waited for has too."""
@@ -214,10 +246,15 @@ class InFlightUpdate:
             event.synchronize()
 
 
-def launch_delayed(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> InFlightUpdate:
+def launch_delayed(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan, ready=None) -> InFlightUpdate:
     """Step t of the delayed update: gradients to the host, the GPU-resident part stepped,
-    the host update started on a worker (the caller has landed step t-1's)."""
-    compute = _begin(hdo, plan)
+    the host update started on a worker (the caller has landed step t-1's).
+
+    ``ready``: an event the caller recorded on the compute stream once the gradients were
+    final, before landing step t-1's update: the gradients' copies wait for it alone, not
+    for the compute stream's later wait for the parameters' copies back, and the two run
+    at once (split staging)."""
+    compute = _begin(hdo, plan, ready)
     # the next iteration zeroes the gradient buffer on the compute stream: not before the
     # copies have read it (the host does not wait for them before it returns)
     compute.wait_stream(hdo._d2h_stream)
@@ -234,10 +271,19 @@ def launch_delayed(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> InFligh
     return flight
 
 
+class LandedUpdate(NamedTuple):
+    """A delayed update, landed: what a benchmark reads to see where the time went."""
+
+    worker_s: float  # the host worker's wall time (waits for copies included)
+    wait_s: float  # how long landing it waited for the worker: on the critical path
+
+
 def land_delayed(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> None:
     """Wait for the update in flight and send its parameters back to the device, after the
     compute stream's work so far; its error, if it raised, is raised here."""
+    start = time.perf_counter()
     flight.wait()
+    hdo.last_landed = LandedUpdate(flight.seconds, time.perf_counter() - start)
     plan = flight.plan
     if flight.error is not None:
         hdo._torn = _torn_message(plan, flight.gpu_stepped)
@@ -245,7 +291,8 @@ def land_delayed(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> None
     compute = torch.cuda.current_stream()
     hdo._h2d_stream.wait_stream(compute)
     with torch.cuda.stream(hdo._h2d_stream):
-        for chunk in plan.copies:
+        for chunk, landed in zip(plan.copies, plan.landed, strict=True):
             chunk.start_h2d()
+            landed.record(hdo._h2d_stream)
     hdo._order_after_copies_back(compute)
     _finish(hdo, plan)

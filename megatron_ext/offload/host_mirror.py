@@ -82,6 +82,9 @@ class BufferMirror:
     island_staging: torch.Tensor | None = None  # pinned fp32, for the blocks' island copies
     # gradients arrive and parameters leave in the CPU dtype, converted on the device
     device_convert: bool = False
+    # uint8, pinned: where parameters leave from when they do not share the gradients'
+    # staging bytes (split_staging); None where they do
+    param_staging: torch.Tensor | None = None
 
     def cpu_views(self, span: Span) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(parameter, gradient) host views of buffer elements ``span`` (gradient None in a
@@ -121,7 +124,13 @@ class BufferMirror:
             else 0,
             "d2h_bytes": self.layout.numel * itemsize(self.moved_dtype(self.grads_dtype)),
             "h2d_bytes": self.layout.numel * itemsize(self.moved_dtype(self.params_dtype)),
+            "param_staging_bytes": 0 if self.param_staging is None else self.param_staging.numel(),
             "pinned_bytes": self.staging.numel() * self.staging.is_pinned()
+            + (
+                0
+                if self.param_staging is None
+                else self.param_staging.numel() * self.param_staging.is_pinned()
+            )
             + (self.host_params.numel() * self.host_params.element_size())
             * self.host_params.is_pinned(),
             "device_convert": self.device_convert,
@@ -214,6 +223,7 @@ def build_buffer_mirror(
     pin: bool,
     lean: bool = False,
     device_convert: bool = False,
+    split_staging: bool = False,
 ) -> BufferMirror:
     """Allocate one buffer's host mirror and build its per-block copies.
 
@@ -253,11 +263,20 @@ def build_buffer_mirror(
         cpu_grads = staging.view(cpu_dtype)
     else:
         cpu_grads = None if lean else torch.zeros(layout.numel, dtype=cpu_dtype)
+    param_staging = None
+    if split_staging:
+        param_staging = torch.zeros(
+            layout.numel * params.element_size(), dtype=torch.uint8, pin_memory=pin
+        )
     blocks = []
     for span, off in zip(layout.blocks, layout.offsets, strict=True):
         base, n = off * width, span.numel
         grad_stage = staging[base : base + n * grads.element_size()].view(grads.dtype)
-        param_stage = staging[base : base + n * params.element_size()].view(params.dtype)
+        if param_staging is None:
+            param_stage = staging[base : base + n * params.element_size()].view(params.dtype)
+        else:
+            at = off * params.element_size()
+            param_stage = param_staging[at : at + n * params.element_size()].view(params.dtype)
         blocks.append(
             HostBlock(
                 d2h=(grad_stage, _device_view(grads, span, grads_coords)),
@@ -270,7 +289,7 @@ def build_buffer_mirror(
         )
     return BufferMirror(
         name, layout, staging, host_params, cpu_grads, blocks, owned_numel, grads.dtype,
-        params.dtype,
+        params.dtype, param_staging=param_staging,
     )  # fmt: skip
 
 

@@ -43,6 +43,7 @@ from .checkpoint_classes import allow_optimizer_classes_in_checkpoints
 from .chunked import (
     ChunkedPlan,
     InFlightUpdate,
+    LandedUpdate,
     build_chunked_plan,
     land_delayed,
     launch_delayed,
@@ -102,6 +103,9 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     _chunked_for: tuple | None = None  # the sizes _chunked was built for
     chunked_step_off: str | None = None  # why the chunked step cannot run, once it was built
     _in_flight: InFlightUpdate | None = None
+    # the last delayed update landed: its host worker's time and how long landing waited
+    # for it (benchmarks read it); None before one lands
+    last_landed: LandedUpdate | None = None
     _keeping_placement = False
     _warmed = False
     _torn: str | None = None  # why the chunked step refuses to run (a step failed part way)
@@ -213,6 +217,9 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                 pin=self.pin_cpu_grads,
                 lean=lean,
                 device_convert=bool(self.convert_on_device),
+                # the delayed update sends step t-1's parameters back while step t's
+                # gradients come over: not through the same bytes
+                split_staging=bool(self.delayed_update),
             )
             if built is None:
                 continue
@@ -282,12 +289,17 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                     stacklevel=3,
                 )
             return super().step(closure)
+        # the gradients are final here: the next delayed launch's copies to the host need
+        # not wait behind the copies back that landing the update in flight issues
+        ready = None
+        if self.delayed_update and self._in_flight is not None:
+            ready = torch.cuda.current_stream().record_event()
         self.drain()
         if self._torn is not None:
             raise RuntimeError(self._torn)
         if self.delayed_update and self._past_warmup():
             with profiler_range("megatron_ext::offload_launch"):
-                self._in_flight = launch_delayed(self, plan)
+                self._in_flight = launch_delayed(self, plan, ready)
         else:
             with profiler_range("megatron_ext::offload_exact_step"):
                 run_exact(self, plan)

@@ -38,6 +38,7 @@ def source_mirror(
     pin: bool,
     lean: bool = False,
     device_convert: bool = False,
+    split_staging: bool = False,
 ):
     """The host mirror of one buffer's offloaded parameters, or None when it has none.
 
@@ -62,6 +63,7 @@ def source_mirror(
         pin=pin,
         lean=lean,
         device_convert=device_convert,
+        split_staging=split_staging,
     )
     mirror.device_params = device_params
     known = set(source.spans.values())

@@ -296,7 +296,7 @@ def test_chunked_step_matches_per_parameter_path_bit_for_bit(case, convert, kern
     assert_lean(ours[1])
     for hdo in hdos(ours[1]):
         assert hdo._chunked is not None, hdo.chunked_step_off
-        _, copies, _, _ = hdo._chunked
+        copies = hdo._chunked.copies
         assert len(copies) > sum(len(m.blocks) for m in hdo.host_mirrors)
 
 

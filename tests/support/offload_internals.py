@@ -20,12 +20,15 @@ from megatron_ext.offload.step import ChunkedAdamW
 
 class ChunkedParts(NamedTuple):
     """The chunked step as built: per mirror its stepper; per chunk its copies, its
-    device-to-host event and its (mirror, chunk) position."""
+    device-to-host event, its (mirror, chunk) position and its host-to-device event;
+    whether gradients and parameters share the staging."""
 
     steppers: list[ChunkedAdamW]
     copies: list[HostBlock]
     events: list
     order: list[tuple[int, int]]
+    landed: list
+    shared_staging: bool
 
 
 def chunked(hdo: HostMirrorHybridOptimizer) -> ChunkedParts | None:

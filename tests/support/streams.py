@@ -45,6 +45,7 @@ class Op:
     index: int  # position in its stream's queue, from 1
     what: str
     host: tuple[int, int, int] | None  # (storage, first byte, end byte) of host memory
+    after: dict = field(default_factory=dict)  # what precedes it: its stream's clock then
 
 
 class Stream:
@@ -64,7 +65,7 @@ class Stream:
         return _join(self.clock, {self: len(self.ops)})
 
     def push(self, what: str, host=None) -> Op:
-        op = Op(self, len(self.ops) + 1, what, host)
+        op = Op(self, len(self.ops) + 1, what, host, dict(self.clock))
         self.ops.append(op)
         return op
 
