@@ -15,13 +15,27 @@ may still run: that is the overlap). Configurations, per micro-batch count:
 - ``exact_offload_F``: ours, the chunked step in series with the GPU;
 - ``delayed_offload_F``: ours, the host update one step late (``offload_delayed_update``),
   its worker on every usable core but one (the default);
-- ``delayed_offload_F_all_cores`` (first fraction only): the same on every usable core, the
-  thread launching the GPU's work competing with the worker for them.
+- ``delayed_offload_F_threads_N`` (first fraction only, ``--thread-variants``): the same
+  with its worker on N threads; N every usable core: the thread launching the GPU's work
+  competing with the worker for them.
 
 ``kept``: the GPU-resident step time over the configuration's (the throughput kept).
-``--loss-steps N`` also trains N steps exact and N steps delayed from the same start on
-the same fixed batches (fraction 1.0, one micro-batch) and plots both loss curves; the
-summary compares the mean loss of the last 50 steps.
+``fwd_bwd``: the device time from the step's start to the end of its gradient sync (CUDA
+events, no synchronization added): where it exceeds the GPU-resident one, the forward and
+backward themselves were slowed (a starved launching thread, copies competing for memory).
+For a delayed row, ``worker``: the host update's wall time on its worker, and ``land
+wait``: how long the next step waited for it (on the critical path when above zero).
+
+``--loss-steps N`` also trains N steps of each loss task (``--loss-tasks``; fraction 1.0,
+one micro-batch) from the same start on the same batches, four ways: ours exact and
+delayed, and, as an independent reference, the GPU-resident optimizer exact and with its
+forward and backward reading the parameters one step late (:class:`Lagged`: the previous
+step's values swapped in around them, the same warm-up). Tasks: ``markov``, fresh batches
+of a fixed random Markov chain over ``--markov-states`` tokens with 4 successors each (its
+entropy is the loss floor); ``memorize``, ``--loss-batches`` fixed batches of random tokens
+cycled (the model memorizes them: progress per step is large, so is the cost of a stale
+gradient). The summary compares the mean loss of the last 50 steps, delayed against exact,
+ours and the reference's.
 
 CUDA only: megatron-core's DDP and optimizers allocate on CUDA.
 """
@@ -56,8 +70,10 @@ NAME = "offload_overlap"
 PA = dict(use_precision_aware_optimizer=True)
 
 
-def configs(fractions) -> list[tuple[str, dict, dict | None]]:
-    """(label, OptimizerConfig overrides, MegatronOptions fields or None for stock)."""
+def configs(fractions, thread_variants=None) -> list[tuple[str, dict, dict | None]]:
+    """(label, OptimizerConfig overrides, MegatronOptions fields or None for stock);
+    ``thread_variants``: the delayed worker's thread counts to measure at the first fraction
+    (None: every usable core)."""
     out: list[tuple[str, dict, dict | None]] = [("gpu_resident", PA, {})]
     for f in fractions:
         offload = PA | dict(optimizer_cpu_offload=True, optimizer_offload_fraction=f)
@@ -70,23 +86,24 @@ def configs(fractions) -> list[tuple[str, dict, dict | None]]:
                 dict(offload_step="chunked", offload_delayed_update=True, offload_delay_warmup=1),
             )
         )
-    if fractions:  # the host worker on every core: none left to the launching thread
+    if fractions:  # other worker sizes; every core: none left to the launching thread
         from megatron_ext.offload.threads import usable_cores
 
         f = fractions[0]
         offload = PA | dict(optimizer_cpu_offload=True, optimizer_offload_fraction=f)
-        out.append(
-            (
-                f"delayed_offload_{f}_all_cores",
-                offload,
-                dict(
-                    offload_step="chunked",
-                    offload_delayed_update=True,
-                    offload_delay_warmup=1,
-                    offload_threads=usable_cores(),
-                ),
+        for n in [usable_cores()] if thread_variants is None else thread_variants:
+            out.append(
+                (
+                    f"delayed_offload_{f}_threads_{n}",
+                    offload,
+                    dict(
+                        offload_step="chunked",
+                        offload_delayed_update=True,
+                        offload_delay_warmup=1,
+                        offload_threads=n,
+                    ),
+                )
             )
-        )
     return out
 
 
@@ -118,20 +135,82 @@ def batches(args, count: int) -> list[tuple[torch.Tensor, ...]]:
     ]  # fmt: skip
 
 
-def train_step(model, opt, micro: list) -> torch.Tensor:
-    """One training step over the micro-batches ``micro``; the mean loss (a device tensor)."""
+def train_step(model, opt, micro: list, synced=None, lag: Lagged | None = None) -> torch.Tensor:
+    """One training step over the micro-batches ``micro``; the mean loss (a device tensor).
+    ``synced``: a CUDA event recorded once the gradients are synced; ``lag``: forward and
+    backward read the parameters one step late (:class:`Lagged`)."""
     model.zero_grad_buffer()
     opt.zero_grad()
-    total = torch.zeros((), device="cuda")
-    for i, (tokens, position, mask) in enumerate(micro):
-        sync = model.no_sync() if i < len(micro) - 1 else _nothing()
-        with sync:
-            loss = model(tokens, position, mask, labels=tokens).float().mean() / len(micro)
-            loss.backward()
-        total += loss.detach()
-    model.finish_grad_sync()
+    total = torch.zeros((), device=micro[0][0].device)
+    with lag.late_values() if lag is not None else _nothing():
+        for i, (tokens, position, mask) in enumerate(micro):
+            sync = model.no_sync() if i < len(micro) - 1 else _nothing()
+            with sync:
+                loss = model(tokens, position, mask, labels=tokens).float().mean() / len(micro)
+                loss.backward()
+            total += loss.detach()
+        model.finish_grad_sync()
+    if synced is not None:
+        synced.record()
+    if lag is not None:
+        lag.before_step()
     opt.step()
+    if lag is not None:
+        lag.after_step()
     return total
+
+
+class Lagged:
+    """Forward and backward read each parameter's value of one step before (ZeRO-Offload's
+    one-step delayed update), on any optimizer: a reference for the delayed offloaded
+    update that shares no code with it.
+
+    The parameters always hold the optimizer's latest values, except inside
+    :meth:`late_values`, which swaps in the values they held before the last step (from
+    the step numbered ``warmup`` on: the steps before run exact) and swaps the latest back
+    after. So step t's gradients are computed at the values step t-2 left, and step t
+    updates the values step t-1 left: the optimizer's masters (fp32 parameters stepped in
+    place included) never see the late values.
+    """
+
+    def __init__(self, params, warmup: int) -> None:
+        self.params = list(params)
+        self.warmup, self.taken = warmup, 0
+        self.late: list[torch.Tensor] | None = None
+        self.before: list[torch.Tensor] | None = None
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.params]
+
+    def _load(self, values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, v in zip(self.params, values, strict=True):
+                p.copy_(v)
+
+    def late_values(self):
+        lag = self
+
+        class _Swap:
+            def __enter__(self):
+                self.latest = None
+                if lag.late is not None:
+                    self.latest = lag._snapshot()
+                    lag._load(lag.late)
+
+            def __exit__(self, *exc):
+                if self.latest is not None:
+                    lag._load(self.latest)
+                return False
+
+        return _Swap()
+
+    def before_step(self) -> None:
+        self.before = self._snapshot()
+
+    def after_step(self) -> None:
+        self.taken += 1
+        self.late = self.before if self.taken > self.warmup else None
+        self.before = None
 
 
 class _nothing:
@@ -158,16 +237,30 @@ def measure(args, label: str, overrides: dict, options: dict | None, micro: int)
     try:
         model, opt = build(args, overrides, options)
         data = batches(args, micro)
-        seconds = []
+        seconds, fwd_bwd, worker, wait = [], [], [], []
         for step in range(args.warmup + args.steps):
+            start, synced = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            train_step(model, opt, data)
+            start.record()
+            train_step(model, opt, data, synced)
             torch.cuda.synchronize()
             if step >= args.warmup:
                 seconds.append(time.perf_counter() - t0)
+                fwd_bwd.append(start.elapsed_time(synced))
+                landed = landed_updates(opt)  # the update this step landed (the last one's)
+                if landed:
+                    worker.append(1e3 * sum(x.worker_s for x in landed))
+                    wait.append(1e3 * sum(x.wait_s for x in landed))
         megatron_ext.drain_offload(opt)
         row["step_ms"] = 1e3 * statistics.median(seconds)
+        row["fwd_bwd_ms"] = statistics.median(fwd_bwd)
+        if worker:
+            row["worker_ms"] = statistics.median(worker)
+            row["land_wait_ms"] = statistics.median(wait)
         row["peak_gib"] = gib(torch.cuda.max_memory_allocated())
     except Exception as exc:  # a configuration that cannot run is a result
         row.update(error_fields(exc))
@@ -177,34 +270,93 @@ def measure(args, label: str, overrides: dict, options: dict | None, micro: int)
     return row
 
 
-def loss_curves(args) -> dict:
-    """Exact and delayed from the same start over the same fixed batches: per-step losses."""
+def landed_updates(opt) -> list:
+    """The delayed updates the last step landed, one per offloading optimizer of the chain
+    (``HostMirrorHybridOptimizer.last_landed``), each read once."""
+    out = []
+    for child in getattr(opt, "chained_optimizers", [opt]):
+        hdo = getattr(child, "optimizer", None)
+        landed = getattr(hdo, "last_landed", None)
+        if landed is not None:
+            out.append(landed)
+            hdo.last_landed = None
+    return out
+
+
+def markov_tokens(states: int, successors: int, rows: int, seq: int, seed: int, device):
+    """``rows`` sequences of a fixed random Markov chain over tokens ``0..states-1``: each
+    token has ``successors`` possible next tokens, with Dirichlet(1) probabilities. Returns
+    (tokens [rows, seq], the chain's mean conditional entropy per token in nats)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    nxt = torch.randint(0, states, (states, successors), generator=g, device=device)
+    weights = -torch.log(torch.rand(states, successors, generator=g, device=device))
+    probs = weights / weights.sum(dim=1, keepdim=True)
+    tokens = torch.empty(rows, seq, dtype=torch.long, device=device)
+    tokens[:, 0] = torch.randint(0, states, (rows,), generator=g, device=device)
+    for i in range(1, seq):
+        prev = tokens[:, i - 1]
+        pick = torch.multinomial(probs[prev], 1, generator=g).squeeze(1)
+        tokens[:, i] = nxt[prev, pick]
+    entropy = float(-(probs * probs.log()).sum(dim=1).mean())
+    return tokens, entropy
+
+
+def task_batches(args, task: str) -> tuple[list, float | None]:
+    """Per loss step its micro-batch (tokens, positions, causal mask), and the loss floor
+    where the task has one (the Markov chain's entropy)."""
+    if task == "memorize":
+        data = batches(args, args.loss_batches)
+        return [data[step % len(data)] for step in range(args.loss_steps)], None
+    tokens, entropy = markov_tokens(
+        args.markov_states, 4, args.loss_steps * args.batch, args.seq, 2, "cuda"
+    )
+    _, position, mask = batches(args, 1)[0]
+    out = [
+        (tokens[s * args.batch : (s + 1) * args.batch], position, mask)
+        for s in range(args.loss_steps)
+    ]
+    return out, entropy
+
+
+CURVES = ("exact", "delayed", "resident_exact", "resident_delayed")
+
+
+def loss_curves(args, task: str) -> dict:
+    """The four curves of :data:`CURVES` from the same start over the same batches: per-step
+    losses and the mean of the last 50 steps, delayed against exact."""
     import megatron_ext
 
     curves = {}
     offload = PA | dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
-    data = batches(args, args.loss_batches)
-    for name, delayed in (("exact", False), ("delayed", True)):
-        options = dict(offload_step="chunked", offload_delayed_update=delayed)
-        if delayed:
-            options["offload_delay_warmup"] = args.delay_warmup
-        model, opt = build(args, offload, options)
-        losses = []
-        for step in range(args.loss_steps):
-            losses.append(train_step(model, opt, [data[step % len(data)]]))
+    data, floor = task_batches(args, task)
+    for name in CURVES:
+        delayed = name.endswith("delayed")
+        if name.startswith("resident"):
+            model, opt = build(args, PA, {})
+            lag = Lagged(model.parameters(), args.delay_warmup) if delayed else None
+        else:
+            options = dict(offload_step="chunked", offload_delayed_update=delayed)
+            if delayed:
+                options["offload_delay_warmup"] = args.delay_warmup
+            model, opt = build(args, offload, options)
+            lag = None
+        losses = [train_step(model, opt, [micro], lag=lag) for micro in data]
         megatron_ext.drain_offload(opt)
         curves[name] = [float(x) for x in losses]
-        del model, opt
+        print(f"{NAME}: {task} {name}: last loss {curves[name][-1]:.4f}", file=sys.stderr)
+        del model, opt, lag
         gc.collect()
         torch.cuda.empty_cache()
     tail = min(50, args.loss_steps)
-    exact, delayed = (statistics.fmean(curves[k][-tail:]) for k in ("exact", "delayed"))
+    last = {k: statistics.fmean(v[-tail:]) for k, v in curves.items()}
     return {
         "losses": curves,
-        "last_mean_exact": exact,
-        "last_mean_delayed": delayed,
-        "last_relative": (delayed - exact) / exact,
+        "last_mean": last,
+        "last_relative": (last["delayed"] - last["exact"]) / last["exact"],
+        "resident_relative": (last["resident_delayed"] - last["resident_exact"])
+        / last["resident_exact"],
         "last_steps": tail,
+        "floor": floor,
     }
 
 
@@ -222,6 +374,7 @@ def parse_args(argv: list[str] | None):
         ("--loss-steps", 0, "steps of each loss curve (0: none; 200 or more to compare)"),
         ("--loss-batches", 16, "fixed micro-batches the loss curves cycle through"),
         ("--delay-warmup", 10, "exact steps before the delayed loss curve's delay starts"),
+        ("--markov-states", 1024, "tokens the markov loss task's chain moves over"),
     ):
         ap.add_argument(name, type=int, default=default, help=f"{meaning} (default: %(default)s)")
     ap.add_argument(
@@ -231,6 +384,15 @@ def parse_args(argv: list[str] | None):
     ap.add_argument(
         "--fractions", type=float, nargs="+", default=[1.0, 0.5],
         help="offload fractions (default: %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--loss-tasks", nargs="+", choices=["markov", "memorize"], default=["markov", "memorize"],
+        help="what the loss curves train on (default: %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--thread-variants", type=int, nargs="*", default=None,
+        help="the delayed worker's thread counts also measured at the first fraction "
+        "(default: every usable core)",
     )  # fmt: skip
     ap.add_argument("--lr", type=float, default=3e-4, help="Adam's lr (default: %(default)s)")
     return ap.parse_args(argv)
@@ -265,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         parallel_state.initialize_model_parallel()
         for micro in args.micro_batches:
-            for label, overrides, options in configs(args.fractions):
+            for label, overrides, options in configs(args.fractions, args.thread_variants):
                 row = measure(args, label, overrides, options, micro)
                 result["rows"].append(row)
                 add_kept(result["rows"])
@@ -273,23 +435,26 @@ def main(argv: list[str] | None = None) -> dict:
                       file=sys.stderr)  # fmt: skip
                 write_json([result], args.out, NAME)
         if args.loss_steps > 0:
-            try:
-                result["loss"] = loss_curves(args)
-            except Exception as exc:  # the timings above stand; the curves' failure is shown
-                result["loss_error"] = error_fields(exc)
-                print(f"{NAME}: loss curves failed: {exc}", file=sys.stderr)
-            write_json([result], args.out, NAME)
+            result["loss"] = {}
+            for task in args.loss_tasks:
+                try:
+                    result["loss"][task] = loss_curves(args, task)
+                except Exception as exc:  # the timings above stand; the failure is shown
+                    result.setdefault("loss_error", {})[task] = error_fields(exc)
+                    print(f"{NAME}: {task} loss curves failed: {exc}", file=sys.stderr)
+                write_json([result], args.out, NAME)
         parallel_state.destroy_model_parallel()
     _plot(result, args, title)
     print(format_table(result["rows"], COLUMNS))
-    if result.get("loss_error"):
-        print(f"loss curves failed: {result['loss_error']}")
-    if result["loss"] is not None:
-        loss = result["loss"]
+    for task, error in result.get("loss_error", {}).items():
+        print(f"{task} loss curves failed: {error}")
+    for task, loss in (result["loss"] or {}).items():
+        means = ", ".join(f"{k} {v:.4f}" for k, v in loss["last_mean"].items())
+        floor = "" if loss["floor"] is None else f"; the task's floor {loss['floor']:.4f}"
         print(
-            f"loss, mean of the last {loss['last_steps']} steps: exact "
-            f"{loss['last_mean_exact']:.4f}, delayed {loss['last_mean_delayed']:.4f} "
-            f"({loss['last_relative']:+.2%})"
+            f"{task} loss, mean of the last {loss['last_steps']} steps: {means}; delayed vs "
+            f"exact {loss['last_relative']:+.2%} (the reference's {loss['resident_relative']:+.2%})"
+            f"{floor}"
         )
     return result
 
@@ -299,6 +464,9 @@ COLUMNS = [
     Column("micro-batches", "micro_batches"),
     Column("step ms", "step_ms", lambda v: f"{v:.1f}", "median, device drained around it"),
     Column("kept", "kept", lambda v: f"{v:.0%}", "GPU-resident step time / this one"),
+    Column("fwd+bwd ms", "fwd_bwd_ms", lambda v: f"{v:.1f}", "device time, step start to synced"),
+    Column("worker ms", "worker_ms", lambda v: f"{v:.1f}", "delayed: the host update's time"),
+    Column("land wait ms", "land_wait_ms", lambda v: f"{v:.1f}", "delayed: waited for it"),
     Column("peak GiB", "peak_gib", lambda v: f"{v:.2f}", "peak allocated while it ran"),
     Column("baseline GiB", "baseline_gib", lambda v: f"{v:.2f}", "allocated before it was built"),
     Column("status", "error", lambda v: str(v)[:60], "empty: ran"),
@@ -306,7 +474,8 @@ COLUMNS = [
 
 
 def _plot(result: dict, args, title: str) -> None:
-    fig, (ax, bx) = new_figure(2, width=12)
+    tasks = list(result["loss"] or {}) or [None]
+    fig, (ax, *loss_axes) = new_figure(1 + len(tasks), width=6 * (1 + len(tasks)))
     ok = [r for r in result["rows"] if "kept" in r]
     if ok:
         for label in dict.fromkeys(r["config"] for r in ok):
@@ -318,19 +487,24 @@ def _plot(result: dict, args, title: str) -> None:
         ax.legend(fontsize=7)
     else:
         empty_panel(ax, "no configuration ran")
-    loss = result["loss"]
-    if loss is not None:
+    for bx, task in zip(loss_axes, tasks, strict=True):
+        if task is None:
+            empty_panel(bx, "no loss curves (--loss-steps 0)")
+            continue
+        loss = result["loss"][task]
         for name, values in loss["losses"].items():
-            bx.plot(values, label=name)
+            bx.plot(values, label=name, linestyle="--" if name.startswith("resident") else "-")
+        if loss["floor"] is not None:
+            bx.axhline(loss["floor"], color="gray", linewidth=0.8, label="floor")
         bx.set_xlabel("step")
         bx.set_ylabel("loss")
         bx.set_title(
-            f"offload 1.0, lr {args.lr:g}, delay after {args.delay_warmup} steps: last "
-            f"{loss['last_steps']} mean {loss['last_relative']:+.2%}"
+            f"{task}, offload 1.0, lr {args.lr:g}, delay after {args.delay_warmup}: last "
+            f"{loss['last_steps']} mean {loss['last_relative']:+.2%} "
+            f"(reference {loss['resident_relative']:+.2%})",
+            fontsize=8,
         )
-        bx.legend()
-    else:
-        empty_panel(bx, "no loss curves (--loss-steps 0)")
+        bx.legend(fontsize=7)
     save_figure(fig, args.out, NAME, title)
 
 

@@ -1,9 +1,14 @@
 """benchmarks/offload_overlap.py's CPU-checkable parts: the configurations it measures, the
-throughput-kept column, its refusal without CUDA and its plot (the measurements run on a GPU)."""
+throughput-kept column, the landed updates it reads, the one-step-late reference and the
+Markov task of its loss curves, its refusal without CUDA and its plot (the measurements run
+on a GPU)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from benchmarks import offload_overlap
 from megatron_ext.offload.threads import usable_cores
@@ -16,7 +21,7 @@ def test_every_offloaded_configuration_comes_as_stock_exact_and_delayed():
         "gpu_resident",
         "stock_offload_1.0", "exact_offload_1.0", "delayed_offload_1.0",
         "stock_offload_0.5", "exact_offload_0.5", "delayed_offload_0.5",
-        "delayed_offload_1.0_all_cores",
+        f"delayed_offload_1.0_threads_{usable_cores()}",
     ]  # fmt: skip
     by = {label: (ov, opts) for label, ov, opts in rows}
     assert by["gpu_resident"][0] == {"use_precision_aware_optimizer": True}
@@ -27,7 +32,12 @@ def test_every_offloaded_configuration_comes_as_stock_exact_and_delayed():
     assert not by["exact_offload_1.0"][1].get("offload_delayed_update", False)
     # the default worker leaves the launching thread a core; the last row takes them all
     assert "offload_threads" not in by["delayed_offload_1.0"][1]
-    assert by["delayed_offload_1.0_all_cores"][1]["offload_threads"] == usable_cores()
+    assert by[f"delayed_offload_1.0_threads_{usable_cores()}"][1]["offload_threads"] == (
+        usable_cores()
+    )
+    variants = [label for label, _, _ in offload_overlap.configs([0.5], [3, 5])]
+    assert variants[-2:] == ["delayed_offload_0.5_threads_3", "delayed_offload_0.5_threads_5"]
+    assert offload_overlap.configs([0.5], [])[-1][0] == "delayed_offload_0.5"
 
 
 def test_kept_is_the_gpu_resident_time_at_the_same_micro_batch_count_over_its_own():
@@ -59,10 +69,107 @@ def test_the_plot_shows_kept_and_the_loss_curves(tmp_path):
         {"config": "delayed_offload_1.0", "micro_batches": 1, "step_ms": 40.0},
     ]
     offload_overlap.add_kept(rows)
+    curves = {k: [3.0, 2.0 + i / 10, 1.5 + i / 10] for i, k in enumerate(offload_overlap.CURVES)}
     loss = {
-        "losses": {"exact": [3.0, 2.0, 1.5], "delayed": [3.0, 2.1, 1.6]},
-        "last_relative": 0.05,
-        "last_steps": 3,
+        task: {
+            "losses": curves,
+            "last_relative": 0.05,
+            "resident_relative": 0.04,
+            "last_steps": 3,
+            "floor": floor,
+        }
+        for task, floor in (("markov", 1.1), ("memorize", None))
     }
     offload_overlap._plot({"rows": rows, "loss": loss}, args, "title")
     assert (tmp_path / "offload_overlap.png").stat().st_size > 0
+
+
+def test_landed_updates_are_read_once_per_offloading_optimizer():
+    from megatron_ext.offload.chunked import LandedUpdate
+
+    class Child:
+        def __init__(self, landed):
+            self.optimizer = type("HDO", (), {})()
+            self.optimizer.last_landed = landed
+
+    class Chain:
+        chained_optimizers = [Child(LandedUpdate(0.5, 0.1)), Child(None), Child(LandedUpdate(1, 0))]
+
+    got = offload_overlap.landed_updates(Chain)
+    assert got == [LandedUpdate(0.5, 0.1), LandedUpdate(1, 0)]
+    assert offload_overlap.landed_updates(Chain) == []
+
+
+def _late_reference(steps: int, warmup: int) -> list[torch.Tensor]:
+    """A model whose forward reads a copy of the parameters that is refreshed one step
+    late after ``warmup`` exact steps (written without :class:`Lagged`): the loss per step."""
+    torch.manual_seed(0)
+    master = torch.nn.Linear(6, 3)
+    reader = torch.nn.Linear(6, 3)
+    reader.load_state_dict(master.state_dict())
+    opt = torch.optim.AdamW(master.parameters(), lr=0.05)
+    pending, losses = None, []
+    for t in range(steps):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(t))
+        loss = reader(x).pow(2).mean()
+        reader.zero_grad()
+        loss.backward()
+        losses.append(loss.detach())
+        if pending is not None:
+            reader.load_state_dict(pending)
+        for p, q in zip(master.parameters(), reader.parameters(), strict=True):
+            p.grad = q.grad.clone()
+        opt.step()
+        now = {k: v.clone() for k, v in master.state_dict().items()}
+        if t >= warmup:
+            pending = now
+        else:
+            pending = None
+            reader.load_state_dict(now)
+    return losses
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_lagged_reads_the_parameters_one_step_late(warmup):
+    """:class:`Lagged` around a plain optimizer equals a loop that keeps a second copy of
+    the model for forward and backward, refreshed one step late: loss by loss, bit for bit;
+    and without the lag the losses differ (the test sees the delay)."""
+    want = _late_reference(7, warmup)
+    for lagged in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        lag = offload_overlap.Lagged(model.parameters(), warmup) if lagged else None
+        got = []
+        for t in range(7):
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(t))
+            opt.zero_grad()
+            with lag.late_values() if lag else offload_overlap._nothing():
+                loss = model(x).pow(2).mean()
+                loss.backward()
+            got.append(loss.detach())
+            if lag:
+                lag.before_step()
+            opt.step()
+            if lag:
+                lag.after_step()
+        same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert same is lagged
+
+
+def test_the_markov_task_follows_its_chain_and_reports_its_entropy():
+    tokens, entropy = offload_overlap.markov_tokens(50, 4, 64, 40, seed=3, device="cpu")
+    assert tokens.shape == (64, 40) and int(tokens.min()) >= 0 and int(tokens.max()) < 50
+    # rebuilt from the same seed as the chain was drawn: every step is one of its successors
+    g = torch.Generator().manual_seed(3)
+    nxt = torch.randint(0, 50, (50, 4), generator=g)
+    weights = -torch.log(torch.rand(50, 4, generator=g))
+    probs = weights / weights.sum(dim=1, keepdim=True)
+    pairs = zip(
+        tokens[:, :-1].reshape(-1).tolist(), tokens[:, 1:].reshape(-1).tolist(), strict=True
+    )
+    for a, b in pairs:
+        assert b in nxt[a].tolist()
+    want = sum(-sum(float(p) * math.log(float(p)) for p in row) for row in probs.double()) / 50
+    assert entropy == pytest.approx(want, rel=1e-5)
+    assert 0 < entropy < math.log(4)
