@@ -378,8 +378,9 @@ def parse_args(argv: list[str] | None):
     ):
         ap.add_argument(name, type=int, default=default, help=f"{meaning} (default: %(default)s)")
     ap.add_argument(
-        "--micro-batches", type=int, nargs="+", default=[1, 4, 8],
-        help="micro-batches per training step (default: %(default)s)",
+        "--micro-batches", type=int, nargs="*", default=[1, 4, 8],
+        help="micro-batches per training step (default: %(default)s; none: only the loss "
+        "curves)",
     )  # fmt: skip
     ap.add_argument(
         "--fractions", type=float, nargs="+", default=[1.0, 0.5],
