@@ -30,12 +30,15 @@ wait``: how long the next step waited for it (on the critical path when above ze
 one micro-batch) from the same start on the same batches, four ways: ours exact and
 delayed, and, as an independent reference, the GPU-resident optimizer exact and with its
 forward and backward reading the parameters one step late (:class:`Lagged`: the previous
-step's values swapped in around them, the same warm-up). Tasks: ``markov``, fresh batches
-of a fixed random Markov chain over ``--markov-states`` tokens with 4 successors each (its
-entropy is the loss floor); ``memorize``, ``--loss-batches`` fixed batches of random tokens
-cycled (the model memorizes them: progress per step is large, so is the cost of a stale
-gradient). The summary compares the mean loss of the last 50 steps, delayed against exact,
-ours and the reference's.
+step's values swapped in around them, the same warm-up). The loss is next-token
+prediction: each sample is drawn one token longer than ``--seq``, the inputs are its first
+``--seq`` tokens and the labels its last (Megatron's convention). Tasks: ``markov``, fresh
+batches of a fixed random Markov chain over ``--markov-states`` tokens with 4 successors
+each (its entropy is the loss floor); ``memorize``, ``--loss-batches`` fixed batches of
+random tokens cycled: the next tokens are random, learnable only by memorizing the fixed
+batches (progress per step is large, so is the cost of a stale gradient). The summary
+compares the mean loss of the last 50 steps, delayed against exact, ours and the
+reference's.
 
 CUDA only: megatron-core's DDP and optimizers allocate on CUDA.
 """
@@ -122,17 +125,21 @@ def build(args, overrides: dict, options: dict | None):
     return stack.model, stack.optimizer
 
 
-def batches(args, count: int) -> list[tuple[torch.Tensor, ...]]:
-    """``count`` fixed micro-batches (tokens, positions, causal mask), from one seed."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    position = torch.arange(args.seq, device="cuda").expand(args.batch, -1)
+def batches(args, count: int, device="cuda") -> list[tuple[torch.Tensor, ...]]:
+    """``count`` fixed micro-batches (tokens, positions, causal mask, labels), from one seed.
+    Each sample is drawn with ``args.seq + 1`` tokens: the inputs are its first ``args.seq``,
+    the labels its last ``args.seq`` (the next token of each input, Megatron's convention)."""
+    g = torch.Generator(device=device).manual_seed(1)
+    position = torch.arange(args.seq, device=device).expand(args.batch, -1)
     # Megatron's convention: True marks a masked-out (future) position.
-    mask = torch.ones(1, 1, args.seq, args.seq, device="cuda", dtype=torch.bool).triu(1)
-    return [
-        (torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g),
-         position, mask)
-        for _ in range(count)
-    ]  # fmt: skip
+    mask = torch.ones(1, 1, args.seq, args.seq, device=device, dtype=torch.bool).triu(1)
+    out = []
+    for _ in range(count):
+        sample = torch.randint(
+            0, args.vocab, (args.batch, args.seq + 1), device=device, generator=g
+        )
+        out.append((sample[:, :-1], position, mask, sample[:, 1:]))
+    return out
 
 
 def train_step(model, opt, micro: list, synced=None, lag: Lagged | None = None) -> torch.Tensor:
@@ -143,10 +150,10 @@ def train_step(model, opt, micro: list, synced=None, lag: Lagged | None = None) 
     opt.zero_grad()
     total = torch.zeros((), device=micro[0][0].device)
     with lag.late_values() if lag is not None else _nothing():
-        for i, (tokens, position, mask) in enumerate(micro):
+        for i, (tokens, position, mask, labels) in enumerate(micro):
             sync = model.no_sync() if i < len(micro) - 1 else _nothing()
             with sync:
-                loss = model(tokens, position, mask, labels=tokens).float().mean() / len(micro)
+                loss = model(tokens, position, mask, labels=labels).float().mean() / len(micro)
                 loss.backward()
             total += loss.detach()
         model.finish_grad_sync()
@@ -301,20 +308,20 @@ def markov_tokens(states: int, successors: int, rows: int, seq: int, seed: int, 
     return tokens, entropy
 
 
-def task_batches(args, task: str) -> tuple[list, float | None]:
-    """Per loss step its micro-batch (tokens, positions, causal mask), and the loss floor
-    where the task has one (the Markov chain's entropy)."""
+def task_batches(args, task: str, device="cuda") -> tuple[list, float | None]:
+    """Per loss step its micro-batch (tokens, positions, causal mask, labels: the next
+    tokens), and the loss floor where the task has one (the Markov chain's entropy)."""
     if task == "memorize":
-        data = batches(args, args.loss_batches)
+        data = batches(args, args.loss_batches, device)
         return [data[step % len(data)] for step in range(args.loss_steps)], None
-    tokens, entropy = markov_tokens(
-        args.markov_states, 4, args.loss_steps * args.batch, args.seq, 2, "cuda"
+    sample, entropy = markov_tokens(
+        args.markov_states, 4, args.loss_steps * args.batch, args.seq + 1, 2, device
     )
-    _, position, mask = batches(args, 1)[0]
-    out = [
-        (tokens[s * args.batch : (s + 1) * args.batch], position, mask)
-        for s in range(args.loss_steps)
-    ]
+    _, position, mask, _ = batches(args, 1, device)[0]
+    out = []
+    for s in range(args.loss_steps):
+        rows = sample[s * args.batch : (s + 1) * args.batch]
+        out.append((rows[:, :-1], position, mask, rows[:, 1:]))
     return out, entropy
 
 

@@ -173,3 +173,36 @@ def test_the_markov_task_follows_its_chain_and_reports_its_entropy():
     want = sum(-sum(float(p) * math.log(float(p)) for p in row) for row in probs.double()) / 50
     assert entropy == pytest.approx(want, rel=1e-5)
     assert 0 < entropy < math.log(4)
+
+
+@pytest.mark.parametrize("task", ["markov", "memorize"])
+def test_the_labels_are_the_next_tokens_of_the_inputs(task):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        seq=12, batch=3, vocab=64, loss_batches=2, loss_steps=5, markov_states=20
+    )
+    data, floor = offload_overlap.task_batches(args, task, device="cpu")
+    assert len(data) == args.loss_steps
+    assert (floor is None) is (task == "memorize")
+    for tokens, position, mask, labels in data:
+        assert tokens.shape == labels.shape == (args.batch, args.seq)
+        assert position.shape == (args.batch, args.seq)
+        assert mask.shape == (1, 1, args.seq, args.seq)
+        # the next-token shift: label j is input j + 1
+        assert torch.equal(labels[:, :-1], tokens[:, 1:])
+        assert not torch.equal(labels, tokens)
+    if task == "markov":
+        # rebuilt from the chain's seed: every (input, label) pair is one of its transitions
+        g = torch.Generator().manual_seed(2)
+        nxt = torch.randint(0, args.markov_states, (args.markov_states, 4), generator=g)
+        for tokens, _, _, labels in data:
+            pairs = zip(tokens.reshape(-1).tolist(), labels.reshape(-1).tolist(), strict=True)
+            for a, b in pairs:
+                assert b in nxt[a].tolist()
+    else:
+        fixed = offload_overlap.batches(args, args.loss_batches, device="cpu")
+        for step, (tokens, _, _, labels) in enumerate(data):
+            want = fixed[step % args.loss_batches]
+            assert torch.equal(tokens, want[0]) and torch.equal(labels, want[3])
+        assert not torch.equal(fixed[0][0], fixed[1][0])
