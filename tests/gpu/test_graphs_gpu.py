@@ -150,7 +150,7 @@ def test_storage_freed_and_reallocated_under_the_views_recaptures():
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
     assert blockers and nbytes > 0
     # New memory holds garbage, padding included; restore_grad_buffers zeroes it, as here.
-    fgb.zero_()
+    fgb.zero_(set_to_none=False)  # in place, the .grad views kept (as megatron-core)
     for _ in range(3):
         fill(params, gen)
         want = [p.grad.double().clone() for p in params]
