@@ -44,8 +44,10 @@ class MegatronOptions(BufferOptions):
             :mod:`megatron_ext.offload.chunked` says exactly what runs when.
         offload_delay_warmup: with ``offload_delayed_update``, how many steps (by the
             optimizer's step count, so not again after a resume) run exact first.
-        offload_threads: with ``offload_delayed_update`` and None, every usable core but
-            one (the one launching the GPU's work keeps it).
+        offload_threads: with ``offload_delayed_update`` and None, adapted as updates land
+            (:class:`megatron_ext.offload.threads.ThreadTuner`): from every usable core
+            but one, the fewest threads (at least a quarter of the cores) with which the
+            host update still ends before the next step needs it; an int fixes them.
     """
 
     host_mirrors: bool = True

@@ -275,7 +275,8 @@ FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
             type=positive_int,
             default=None,
             metavar="N",
-            help="torch threads for the offloaded CPU optimizer step (default: torch's)",
+            help="torch threads for the offloaded CPU optimizer step (default: torch's; with "
+            "--offload-delayed-update, adapted as updates land)",
         ),
     ),
     (

@@ -372,3 +372,79 @@ def test_the_offload_phases_are_named_ranges_in_a_profile(cpu_streams):
     model.set_grads(_grads_of(model, gen), 2)
     assert ranges(model.hdo.step) == ["megatron_ext::offload_land", "megatron_ext::offload_launch"]
     assert ranges(model.hdo.drain) == ["megatron_ext::offload_land"]
+
+
+def test_the_thread_tuner_adds_threads_when_landing_waits_and_drops_them_when_idle():
+    from megatron_ext.offload.threads import ThreadTuner
+
+    tuner = ThreadTuner(threads=8, low=3, high=12)
+    # waited 5 ms of a 100 ms window: a quarter more, then capped at high
+    assert tuner.landed(worker_s=0.105, wait_s=0.005, window_s=0.1) == 10
+    assert tuner.landed(0.105, 0.005, 0.1) == 12
+    assert tuner.landed(0.105, 0.005, 0.1) == 12
+    # a wait under 1 ms, or under 1% of the window, is none; the worker used 90% of the
+    # window (over the 75% slack): kept
+    assert tuner.landed(0.09, 0.0009, 0.1) == 12
+    assert tuner.landed(0.9, 0.009, 1.0) == 12
+    # ended inside 75% of its window: one fewer each time, down to low
+    assert [tuner.landed(0.05, 0.0, 0.1) for _ in range(11)] == [11, 10, 9, 8, 7, 6, 5, 4, 3, 3, 3]
+    one = ThreadTuner(threads=1, low=1, high=2)
+    assert one.landed(0.2, 0.1, 0.1) == 2  # a quarter of 1 rounds down: still one more
+
+
+def test_for_host_starts_at_every_core_but_one(monkeypatch):
+    from megatron_ext.offload import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    assert threads.ThreadTuner.for_host() == threads.ThreadTuner(15, 4, 16)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 1)
+    assert threads.ThreadTuner.for_host() == threads.ThreadTuner(1, 1, 1)
+
+
+def test_the_worker_threads_follow_the_time_each_update_had(cpu_streams, monkeypatch):
+    """A slow host update stepped back to back makes landing wait: the next updates get
+    more threads; given time to spare, fewer. The parameters stay the reference's bit for
+    bit throughout (the thread count changes no result)."""
+    import time
+
+    from megatron_ext.offload.step import ChunkedAdamW
+    from megatron_ext.offload.threads import ThreadTuner
+
+    model = Model(True, 1.0)
+    ref = Reference(model, delayed=True, warmup=MirrorDelayed.delay_warmup)
+    model.hdo.thread_tuner = ThreadTuner(threads=2, low=1, high=6)
+    model.hdo.cpu_threads = 2
+    real = ChunkedAdamW.update
+    slow = [True]
+
+    def update(self, chunk, copies=None):
+        if slow[0]:
+            time.sleep(0.005)
+        return real(self, chunk, copies)
+
+    monkeypatch.setattr(ChunkedAdamW, "update", update)
+    gen = torch.Generator().manual_seed(9)
+    used = []
+    for step in range(14):
+        slow[0] = step < 8
+        grads = ref.grads(gen, grad_dtypes(model))
+        model.set_grads(grads, step)
+        ref.step(grads, step)
+        if not slow[0]:
+            time.sleep(0.3)  # the forward and backward of a long step
+        model.hdo.step()
+        assert_device(model, ref, step)
+        landed = model.hdo.last_landed
+        used.append(None if landed is None else landed.threads)
+    # steps 0-1 exact, 2 the first launch: landings from step 3 on, each with its threads
+    assert used[:3] == [None, None, None]
+    # landings 3-7 waited (back to back): a quarter more (at least one), up to high; from 8
+    # on each update had time to spare: one fewer, down to low
+    chunks = len(offload_internals.chunked(model.hdo).copies)
+    assert chunks * 0.005 < 0.75 * 0.3  # a slow update still ends well inside 0.3 s
+    assert used[3:] == [2, 3, 4, 5, 6, 6, 5, 4, 3, 2, 1]
+    assert model.hdo.cpu_threads == 1
+    model.hdo.drain()
+    ref.land()
+    assert_device(model, ref, "drained")
+    assert_state(model, ref)

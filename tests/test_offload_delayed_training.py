@@ -22,11 +22,14 @@ pytest.importorskip("megatron.core")
 STEPS = 6
 
 
-def _stack(delayed: bool, pa: bool, fraction: float):
+def _stack(delayed: bool, pa: bool, fraction: float, threads: int | None = None):
     import megatron_ext
 
     options = megatron_ext.MegatronOptions(
-        offload_step="chunked", offload_delayed_update=delayed, offload_delay_warmup=1
+        offload_step="chunked",
+        offload_delayed_update=delayed,
+        offload_delay_warmup=1,
+        offload_threads=threads,
     )
     return build(
         True,
@@ -35,6 +38,12 @@ def _stack(delayed: bool, pa: bool, fraction: float):
         use_precision_aware_optimizer=pa,
         options=options,
     )
+
+
+def _threads(opt) -> list[tuple[bool, int | None]]:
+    """Per offloading optimizer of the chain: (whether its threads adapt, its threads)."""
+    hdos = [c.optimizer for c in opt.chained_optimizers if hasattr(c.optimizer, "thread_tuner")]
+    return [(h.thread_tuner is not None, h.cpu_threads) for h in hdos]
 
 
 def _held(model) -> dict[str, torch.Tensor]:
@@ -47,8 +56,9 @@ def delayed_loop_job(rank, world, log, out_dir, pa, fraction):
     with adam_path("torch+offload"):  # megatron-core's placement, as on a device
         ours, ours_opt = _stack(True, pa, fraction)
         ref, ref_opt = _stack(False, pa, fraction)
+        _, fixed_opt = _stack(True, pa, fraction, threads=3)
+    out = [dict(threads=(_threads(ours_opt), _threads(ref_opt), _threads(fixed_opt)))]
     before = _held(ref)
-    out = []
     for s in range(STEPS):
         for model, opt in ((ours, ours_opt), (ref, ref_opt)):
             model.zero_grad_buffer()
@@ -81,7 +91,15 @@ def test_delayed_update_in_a_training_loop_is_the_exact_update_one_step_late(
     tmp_path, pa, fraction
 ):
     (steps,) = run_ranks(tmp_path, 1, delayed_loop_job, pa, fraction)
-    *per_step, drained = steps
+    threads, *per_step, drained = steps
+    # the delayed update without a thread count adapts them, from every core but one; an
+    # exact step leaves torch's setting; a count given is kept
+    from megatron_ext.offload.threads import delayed_update_threads
+
+    ours, exact, fixed = threads["threads"]
+    assert ours and all(t == (True, delayed_update_threads()) for t in ours)
+    assert exact and all(t == (False, None) for t in exact)
+    assert fixed and all(t == (False, 3) for t in fixed)
     for s, r in enumerate(per_step):
         assert r["ok"] == (True, True), s
         assert r["norms"][0] == r["norms"][1], s

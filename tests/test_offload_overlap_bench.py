@@ -93,10 +93,14 @@ def test_landed_updates_are_read_once_per_offloading_optimizer():
             self.optimizer.last_landed = landed
 
     class Chain:
-        chained_optimizers = [Child(LandedUpdate(0.5, 0.1)), Child(None), Child(LandedUpdate(1, 0))]
+        chained_optimizers = [
+            Child(LandedUpdate(0.5, 0.1, 0.6, 4)),
+            Child(None),
+            Child(LandedUpdate(1, 0, 2, None)),
+        ]
 
     got = offload_overlap.landed_updates(Chain)
-    assert got == [LandedUpdate(0.5, 0.1), LandedUpdate(1, 0)]
+    assert got == [LandedUpdate(0.5, 0.1, 0.6, 4), LandedUpdate(1, 0, 2, None)]
     assert offload_overlap.landed_updates(Chain) == []
 
 

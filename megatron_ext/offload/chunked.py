@@ -207,9 +207,11 @@ class InFlightUpdate:
     waited: int = 0  # chunks whose device-to-host copy the worker has waited for
     error: BaseException | None = None
     seconds: float = 0.0  # the worker's wall time, once it has ended
+    started: float = 0.0  # time.perf_counter() when it started
     thread: threading.Thread = field(init=False)
 
     def start(self) -> None:
+        self.started = time.perf_counter()
         self.thread = threading.Thread(
             target=self._run, name="megatron_ext-offload-update", daemon=False
         )
@@ -276,6 +278,8 @@ class LandedUpdate(NamedTuple):
 
     worker_s: float  # the host worker's wall time (waits for copies included)
     wait_s: float  # how long landing it waited for the worker: on the critical path
+    window_s: float  # from the worker's start to the landing's: the time it had
+    threads: int | None  # the worker's threads (None: torch's setting)
 
 
 def land_delayed(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> None:
@@ -283,7 +287,9 @@ def land_delayed(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> None
     compute stream's work so far; its error, if it raised, is raised here."""
     start = time.perf_counter()
     flight.wait()
-    hdo.last_landed = LandedUpdate(flight.seconds, time.perf_counter() - start)
+    hdo.last_landed = LandedUpdate(
+        flight.seconds, time.perf_counter() - start, start - flight.started, flight.threads
+    )
     plan = flight.plan
     if flight.error is not None:
         hdo._torn = _torn_message(plan, flight.gpu_stepped)

@@ -54,7 +54,7 @@ from .mirror_plan import copy_schedule, itemsize
 from .moment_dtypes import offload_moment_dtypes
 from .sources import OffloadSource, offload_sources, source_mirror
 from .step import DEFAULT_CHUNK_NUMEL, DEFAULT_COMPUTE_NUMEL, chunked_step_refusal
-from .threads import cpu_threads, delayed_update_threads, threads_warning
+from .threads import ThreadTuner, cpu_threads, threads_warning
 
 # megatron-core ships no type hints
 HybridDeviceOptimizer: Any = seam.target("HybridDeviceOptimizer")
@@ -106,6 +106,9 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     # the last delayed update landed: its host worker's time and how long landing waited
     # for it (benchmarks read it); None before one lands
     last_landed: LandedUpdate | None = None
+    # adapts cpu_threads at each landing in a step (the delayed update without a thread
+    # count given); None: cpu_threads stays as set
+    thread_tuner: ThreadTuner | None = None
     _keeping_placement = False
     _warmed = False
     _torn: str | None = None  # why the chunked step refuses to run (a step failed part way)
@@ -294,7 +297,11 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         ready = None
         if self.delayed_update and self._in_flight is not None:
             ready = torch.cuda.current_stream().record_event()
-        self.drain()
+        if self.drain() and self.thread_tuner is not None and self.last_landed is not None:
+            landed = self.last_landed
+            self.cpu_threads = self.thread_tuner.landed(
+                landed.worker_s, landed.wait_s, landed.window_s
+            )
         if self._torn is not None:
             raise RuntimeError(self._torn)
         if self.delayed_update and self._past_warmup():
@@ -552,9 +559,12 @@ def attach_host_mirrors(
         )
     hdo.chunked_step, hdo.chunk_numel = bool(chunked_step), int(chunk_numel)
     hdo.delayed_update, hdo.delay_warmup = bool(delayed_update), int(delay_warmup)
+    hdo.thread_tuner = None
     if delayed_update and threads is None:
-        # the host update then runs beside the Python thread that launches the GPU's work
-        threads = delayed_update_threads()
+        # the host update then runs beside the Python thread that launches the GPU's work:
+        # as few threads as keep it hidden (ThreadTuner), from every core but one
+        hdo.thread_tuner = ThreadTuner.for_host()
+        threads = hdo.thread_tuner.threads
     hdo.cpu_threads = threads
     hdo.convert_on_device = bool(convert_on_device)
     hdo.moment_dtypes = offload_moment_dtypes(child.config, chunked_step)

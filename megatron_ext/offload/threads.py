@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -49,3 +50,40 @@ def delayed_update_threads() -> int:
     """The host worker's threads for the delayed update: every usable core but one, which
     the Python thread launching the GPU's forward and backward keeps."""
     return max(1, usable_cores() - 1)
+
+
+@dataclass
+class ThreadTuner:
+    """The delayed update's worker threads, adapted each time an update lands: the fewest
+    with which the host update still ends before the next step needs it.
+
+    A worker on more threads ends sooner but slows the forward and backward beside it (the
+    launching thread and the copies compete with it for cores and memory bandwidth:
+    measured in ``benchmarks/offload_overlap.py``); one on fewer makes the next step wait.
+    So: when landing had to wait for the worker, more threads (a quarter more, up to
+    ``high``); when the worker ended well inside the time it had (under ``slack`` of it),
+    one fewer (down to ``low``). The threads change no result: the host kernel's
+    arithmetic per element does not depend on how the work is split.
+    """
+
+    threads: int
+    low: int
+    high: int
+    slack: float = 0.75
+
+    @classmethod
+    def for_host(cls) -> ThreadTuner:
+        """From every usable core but one, between a quarter of them and all of them (when
+        the next step waits, the launching thread waits too: its core is free)."""
+        cores = usable_cores()
+        return cls(threads=delayed_update_threads(), low=max(1, cores // 4), high=cores)
+
+    def landed(self, worker_s: float, wait_s: float, window_s: float) -> int:
+        """The threads for the next update, from the one that landed: its worker's wall
+        time, how long landing it waited, and the time it had (from its start to its
+        landing). A wait under 1 ms (or 1% of the time it had) counts as none."""
+        if wait_s > max(1e-3, 0.01 * window_s):
+            self.threads = min(self.high, self.threads + max(1, self.threads // 4))
+        elif worker_s < self.slack * window_s:
+            self.threads = max(self.low, self.threads - 1)
+        return self.threads
