@@ -80,3 +80,74 @@ def test_ours_exact_and_delayed_equal_the_resident_optimizer_exact_and_one_step_
     assert curves["delayed"][:first_late] == curves["exact"][:first_late]
     late = zip(curves["delayed"][first_late:], curves["exact"][first_late:], strict=True)
     assert all(d != e for d, e in late)
+
+
+class _TimingEvent:
+    """``torch.cuda.Event(enable_timing=True)`` on the CPU: host time at ``record``."""
+
+    def __init__(self, *args, **kwargs):
+        self.at = None
+
+    def record(self, stream=None):
+        import time
+
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end) -> float:
+        return 1e3 * (end.at - self.at)
+
+
+def measure_job(rank, world, log, out_dir):
+    from megatron.core.tensor_parallel import random as mp_random
+
+    from benchmarks import offload_overlap
+
+    args = offload_overlap.parse_args(["--out", out_dir, *ARGV, "--steps", "3", "--warmup", "3"])
+    real_event = torch.cuda.Event
+    with pytest.MonkeyPatch.context() as patch, adam_path("torch+offload"):
+        patch.setattr(mp_random, "model_parallel_cuda_manual_seed", lambda *a, **k: None)
+        patch.setattr(
+            type(mp_random.get_cuda_rng_tracker()),
+            "fork",
+            lambda self, *a, **k: contextlib.nullcontext(),
+        )
+        patch.setattr(torch, "Generator", _host_generator)
+        patch.setattr(offload_overlap, "PA", dict(use_precision_aware_optimizer=False))
+        patch.setattr(
+            torch.cuda,
+            "Event",
+            lambda *a, **k: _TimingEvent() if k.get("enable_timing") else real_event(*a, **k),
+        )
+        for name in ("reset_peak_memory_stats", "empty_cache"):
+            patch.setattr(torch.cuda, name, lambda *a, **k: None)
+        for name in ("max_memory_allocated", "memory_allocated"):
+            patch.setattr(torch.cuda, name, lambda *a, **k: 0)
+        rows = {}
+        for label, overrides, options in offload_overlap.configs([1.0], [1]):
+            if options is None:  # stock's offload: megatron-core's own CUDA copies
+                continue
+            rows[label] = offload_overlap.measure(args, label, overrides, options, 2)
+        return rows
+
+
+def test_measure_reports_where_a_delayed_step_spends_its_time(tmp_path):
+    """``measure`` on the CPU, two micro-batches per step: every configuration ran; the
+    delayed ones report their worker's time, the landing's wait and the worker's threads
+    (the adapted default, and the one given), the others none of these."""
+    from megatron_ext.offload.threads import ThreadTuner
+
+    (rows,) = run_ranks(tmp_path, 1, measure_job)
+    assert set(rows) == {
+        "gpu_resident", "exact_offload_1.0", "delayed_offload_1.0",
+        "delayed_offload_1.0_threads_1",
+    }  # fmt: skip
+    for label, row in rows.items():
+        assert "error" not in row, (label, row)
+        assert row["step_ms"] > 0 and row["fwd_bwd_ms"] > 0 and row["micro_batches"] == 2
+        delayed = label.startswith("delayed")
+        assert ("worker_ms" in row) is delayed and ("worker_threads" in row) is delayed
+        if delayed:
+            assert row["worker_ms"] > 0 and row["land_wait_ms"] >= 0
+    tuner = ThreadTuner.for_host()
+    assert tuner.low <= rows["delayed_offload_1.0"]["worker_threads"] <= tuner.high
+    assert rows["delayed_offload_1.0_threads_1"]["worker_threads"] == 1
