@@ -45,9 +45,11 @@ class MegatronOptions(BufferOptions):
         offload_delay_warmup: with ``offload_delayed_update``, how many steps (by the
             optimizer's step count, so not again after a resume) run exact first.
         offload_threads: with ``offload_delayed_update`` and None, adapted as updates land
-            (:class:`megatron_ext.offload.threads.ThreadTuner`): from every usable core
-            but one, the fewest threads (at least a quarter of the cores) with which the
-            host update still ends before the next step needs it; an int fixes them.
+            (:class:`megatron_ext.offload.threads.ThreadTuner`): from every core of this
+            rank's but one (the usable cores, divided among the ``LOCAL_WORLD_SIZE`` ranks
+            on the host unless the launcher pinned each rank), the fewest threads (at least
+            a quarter of those cores) with which the host update still ends before the next
+            step needs it; an int fixes them.
     """
 
     host_mirrors: bool = True

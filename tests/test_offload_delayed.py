@@ -395,10 +395,37 @@ def test_the_thread_tuner_adds_threads_when_landing_waits_and_drops_them_when_id
 def test_for_host_starts_at_every_core_but_one(monkeypatch):
     from megatron_ext.offload import threads
 
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 16)
     monkeypatch.setattr(threads, "usable_cores", lambda: 16)
     assert threads.ThreadTuner.for_host() == threads.ThreadTuner(15, 4, 16)
     monkeypatch.setattr(threads, "usable_cores", lambda: 1)
     assert threads.ThreadTuner.for_host() == threads.ThreadTuner(1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "usable", "want"),
+    [
+        ("1", 16, 16),  # one rank: every core
+        ("4", 16, 4),  # four ranks share the host's 16: four each
+        ("32", 16, 1),  # more ranks than cores: one each
+        ("4", 6, 6),  # the launcher gave this rank 6 cores of its own: those
+        ("x", 16, 16),  # not a number: not read
+        (None, 16, 16),  # not launched by torchrun
+    ],
+)
+def test_a_rank_shares_the_host_cores_with_the_others_on_it(monkeypatch, ranks, usable, want):
+    from megatron_ext.offload import threads
+
+    if ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(threads, "usable_cores", lambda: usable)
+    assert threads.cores_per_rank() == want
+    assert threads.delayed_update_threads() == max(1, want - 1)
+    assert threads.ThreadTuner.for_host().high == want
 
 
 def test_the_worker_threads_follow_the_time_each_update_had(cpu_streams, monkeypatch):

@@ -32,6 +32,20 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cores_per_rank() -> int:
+    """The cores this rank's host update may use: :func:`usable_cores`, shared with the other
+    ranks on this host (``LOCAL_WORLD_SIZE``, which ``torchrun`` sets) unless the launcher
+    already gave each rank cores of its own (an affinity narrower than every CPU)."""
+    cores = usable_cores()
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    if ranks > 1 and cores >= (os.cpu_count() or cores):
+        cores = max(1, cores // ranks)
+    return cores
+
+
 def threads_warning(threads: int | None) -> str | None:
     """A line when the CPU update would run on one thread of several usable cores."""
     n = torch.get_num_threads() if threads is None else threads
@@ -47,9 +61,10 @@ def threads_warning(threads: int | None) -> str | None:
 
 
 def delayed_update_threads() -> int:
-    """The host worker's threads for the delayed update: every usable core but one, which
-    the Python thread launching the GPU's forward and backward keeps."""
-    return max(1, usable_cores() - 1)
+    """The host worker's threads for the delayed update: every core of this rank's
+    (:func:`cores_per_rank`) but one, which the Python thread launching the GPU's forward and
+    backward keeps."""
+    return max(1, cores_per_rank() - 1)
 
 
 @dataclass
@@ -73,9 +88,10 @@ class ThreadTuner:
 
     @classmethod
     def for_host(cls) -> ThreadTuner:
-        """From every usable core but one, between a quarter of them and all of them (when
-        the next step waits, the launching thread waits too: its core is free)."""
-        cores = usable_cores()
+        """From every core of this rank's (:func:`cores_per_rank`) but one, between a quarter
+        of them and all of them (when the next step waits, the launching thread waits too:
+        its core is free)."""
+        cores = cores_per_rank()
         return cls(threads=delayed_update_threads(), low=max(1, cores // 4), high=cores)
 
     def landed(self, worker_s: float, wait_s: float, window_s: float) -> int:
