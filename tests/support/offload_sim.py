@@ -309,7 +309,11 @@ if _MEGATRON_PLACEMENT.__module__ != HybridDeviceOptimizer.__module__:
 def placement(groups, fraction, param_update_in_fp32=True):
     """megatron-core's own ``_get_sub_optimizer_param_groups`` over ``groups``, every
     parameter on the "device" (:func:`on_the_device`)."""
-    hdo = types.SimpleNamespace(param_groups=groups, param_update_in_fp32=param_update_in_fp32)
+    # pin_cpu_params: read by megatron-core after 0.19 (the fp32 CPU copies pinned); the
+    # simulation's host copies are never pinned
+    hdo = types.SimpleNamespace(
+        param_groups=groups, param_update_in_fp32=param_update_in_fp32, pin_cpu_params=False
+    )
     with on_the_device(groups):
         return _MEGATRON_PLACEMENT(hdo, fraction)
 
