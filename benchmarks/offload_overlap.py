@@ -370,14 +370,11 @@ def loss_curves(args, task: str) -> dict:
 
 
 def parse_args(argv: list[str] | None):
+    from benchmarks.train_step import MODEL_SIZES  # its model, so its sizes
+
     ap = base_parser(__doc__.splitlines()[0], timed=False)
     for name, default, meaning in (
-        ("--layers", 4, "transformer layers"),
-        ("--hidden", 2048, "hidden size"),
-        ("--heads", 16, "attention heads"),
-        ("--vocab", 32000, "vocabulary size"),
-        ("--seq", 1024, "sequence length"),
-        ("--batch", 4, "micro-batch size"),
+        *MODEL_SIZES,
         ("--steps", 5, "timed training steps per configuration"),
         ("--warmup", 3, "untimed training steps first (the delayed update's warm-up among them)"),
         ("--loss-steps", 0, "steps of each loss curve (0: none; 200 or more to compare)"),

@@ -377,16 +377,22 @@ def _norm_and_clip(opt, option: bool):
     return [c.clip_grad_norm(c.config.clip_grad) for c in opt.chained_optimizers][0]
 
 
+# The GPT every training-step benchmark builds (_model): its sizes on the command line.
+MODEL_SIZES = (
+    ("--layers", 4, "transformer layers"),
+    ("--hidden", 2048, "hidden size"),
+    ("--heads", 16, "attention heads"),
+    ("--vocab", 32000, "vocabulary size"),
+    ("--seq", 1024, "sequence length"),
+    ("--batch", 4, "micro-batch size"),
+)
+
+
 def parse_args(argv: list[str] | None):
     """The command line: common options plus the model's sizes and the step counts."""
     ap = base_parser(__doc__.splitlines()[0], timed=False)
     for name, default, meaning in (
-        ("--layers", 4, "transformer layers"),
-        ("--hidden", 2048, "hidden size"),
-        ("--heads", 16, "attention heads"),
-        ("--vocab", 32000, "vocabulary size"),
-        ("--seq", 1024, "sequence length"),
-        ("--batch", 4, "micro-batch size"),
+        *MODEL_SIZES,
         ("--steps", 6, "timed training steps per configuration"),
         ("--warmup", 2, "untimed training steps first"),
         ("--rounds", 2, "interleaved rounds: every configuration built and stepped once each"),
