@@ -482,20 +482,13 @@ COLUMNS = [
 
 
 def _plot(result: dict, args, title: str) -> None:
-    tasks = list(result["loss"] or {}) or [None]
-    fig, (ax, *loss_axes) = new_figure(1 + len(tasks), width=6 * (1 + len(tasks)))
-    ok = [r for r in result["rows"] if "kept" in r]
-    if ok:
-        for label in dict.fromkeys(r["config"] for r in ok):
-            pts = [(r["micro_batches"], r["kept"]) for r in ok if r["config"] == label]
-            ax.plot(*zip(*pts, strict=True), marker="o", label=label)
-        ax.set_xlabel("micro-batches per step")
-        ax.set_ylabel("throughput kept vs GPU-resident")
-        ax.set_title(f"GPTModel {args.layers}x{args.hidden}, one GPU")
-        ax.legend(fontsize=7)
-    else:
-        empty_panel(ax, "no configuration ran")
-    for bx, task in zip(loss_axes, tasks, strict=True):
+    tasks = list(result["loss"] or {})
+    timed = bool(result["rows"]) or not tasks  # no kept panel for a run of loss curves only
+    panels = int(timed) + max(len(tasks), 1)
+    fig, axes = new_figure(panels, width=6 * panels)
+    if timed:
+        _plot_kept(axes[0], [r for r in result["rows"] if "kept" in r], args)
+    for bx, task in zip(axes[int(timed) :], tasks or [None], strict=True):
         if task is None:
             empty_panel(bx, "no loss curves (--loss-steps 0)")
             continue
@@ -514,6 +507,20 @@ def _plot(result: dict, args, title: str) -> None:
         )
         bx.legend(fontsize=7)
     save_figure(fig, args.out, NAME, title)
+
+
+def _plot_kept(ax, ok: list[dict], args) -> None:
+    """Throughput kept against micro-batches per step, a line per configuration."""
+    if not ok:
+        empty_panel(ax, "no configuration ran")
+        return
+    for label in dict.fromkeys(r["config"] for r in ok):
+        pts = [(r["micro_batches"], r["kept"]) for r in ok if r["config"] == label]
+        ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+    ax.set_xlabel("micro-batches per step")
+    ax.set_ylabel("throughput kept vs GPU-resident")
+    ax.set_title(f"GPTModel {args.layers}x{args.hidden}, one GPU")
+    ax.legend(fontsize=7)
 
 
 if __name__ == "__main__":

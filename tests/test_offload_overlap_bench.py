@@ -82,6 +82,22 @@ def test_the_plot_shows_kept_and_the_loss_curves(tmp_path):
     }
     offload_overlap._plot({"rows": rows, "loss": loss}, args, "title")
     assert (tmp_path / "offload_overlap.png").stat().st_size > 0
+    # loss curves only (--micro-batches with no count): one panel per task, no kept panel
+    drawn = []
+    real = offload_overlap.new_figure
+
+    def counting(ncols, **kwargs):
+        drawn.append(ncols)
+        return real(ncols, **kwargs)
+
+    offload_overlap.new_figure = counting
+    try:
+        offload_overlap._plot({"rows": [], "loss": loss}, args, "title")
+        offload_overlap._plot({"rows": rows, "loss": None}, args, "title")
+        offload_overlap._plot({"rows": [], "loss": None}, args, "title")
+    finally:
+        offload_overlap.new_figure = real
+    assert drawn == [2, 2, 2]  # two tasks; kept and the empty loss panel; both empty
 
 
 def test_landed_updates_are_read_once_per_offloading_optimizer():
