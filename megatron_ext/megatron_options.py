@@ -47,7 +47,8 @@ class MegatronOptions(BufferOptions):
         offload_threads: with ``offload_delayed_update`` and None, adapted as updates land
             (:class:`megatron_ext.offload.threads.ThreadTuner`): from every core of this
             rank's but one (the usable cores, divided among the ``LOCAL_WORLD_SIZE`` ranks
-            on the host unless the launcher pinned each rank), the fewest threads (at least
+            on the host unless the launcher pinned each rank, and among the offloading
+            optimizers of a chain, whose updates run at once), the fewest threads (at least
             a quarter of those cores) with which the host update still ends before the next
             step needs it; an int fixes them.
     """

@@ -127,6 +127,8 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
     names: dict[int, str] = {}  # global names, for per-parameter norms
     for m in model_chunks:
         names.update(global_param_names(m.module))
+    # the children whose host updates run at once (the delayed update): they share the cores
+    offloading = sum(offload.offloads_to_host(c) for c in children)
     for child in children:
         if isinstance(child, DistributedOptimizer) and not getattr(
             child, "is_stub_optimizer", False
@@ -147,6 +149,7 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
                 convert_on_device=options.offload_convert == "device",
                 delayed_update=options.offload_delayed_update,
                 delay_warmup=options.offload_delay_warmup,
+                sharing=max(1, offloading),
             )
     if isinstance(opt, ChainedOptimizer):
         over_children: NormClip | None = None  # a chain of one hands everything to its child

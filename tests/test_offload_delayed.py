@@ -401,6 +401,12 @@ def test_for_host_starts_at_every_core_but_one(monkeypatch):
     assert threads.ThreadTuner.for_host() == threads.ThreadTuner(15, 4, 16)
     monkeypatch.setattr(threads, "usable_cores", lambda: 1)
     assert threads.ThreadTuner.for_host() == threads.ThreadTuner(1, 1, 1)
+    # two delayed updates at once on the rank (two offloading optimizers in a chain): eight
+    # cores each; three: five each
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    assert threads.ThreadTuner.for_host(2) == threads.ThreadTuner(7, 2, 8)
+    assert threads.ThreadTuner.for_host(3) == threads.ThreadTuner(4, 1, 5)
+    assert threads.ThreadTuner.for_host(32) == threads.ThreadTuner(1, 1, 1)
 
 
 @pytest.mark.parametrize(

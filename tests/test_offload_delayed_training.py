@@ -40,6 +40,45 @@ def _stack(delayed: bool, pa: bool, fraction: float, threads: int | None = None)
     )
 
 
+def chain_threads_job(rank, world, log, out_dir):
+    """A chain of two offloading optimizers (an expert weight has its own): (adapted,
+    threads, high) of each, on a host of 16 usable cores."""
+    import os
+
+    from megatron_ext.offload import threads as offload_threads
+
+    with pytest.MonkeyPatch.context() as patch, adam_path("torch+offload"):
+        patch.setattr(offload_threads, "usable_cores", lambda: 16)
+        patch.setattr(os, "cpu_count", lambda: 16)
+        patch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        out = {}
+        for experts in (True, False):
+            import megatron_ext
+
+            _, opt = build(
+                True,
+                experts=experts,
+                optimizer_cpu_offload=True,
+                optimizer_offload_fraction=1.0,
+                use_precision_aware_optimizer=True,
+                options=megatron_ext.MegatronOptions(offload_delayed_update=True),
+            )
+            out[experts] = [
+                (c.optimizer.thread_tuner.high, c.optimizer.cpu_threads)
+                for c in opt.chained_optimizers
+                if getattr(c.optimizer, "thread_tuner", None) is not None
+            ]
+        return out
+
+
+def test_the_offloading_optimizers_of_a_chain_share_the_cores(tmp_path):
+    """Their delayed updates run at once: with an expert weight (two offloading optimizers)
+    each worker gets half of the 16 cores, 7 to start with; alone, all 16, 15 to start."""
+    (out,) = run_ranks(tmp_path, 1, chain_threads_job)
+    assert out[True] == [(8, 7), (8, 7)]
+    assert out[False] == [(16, 15)]
+
+
 def _threads(opt) -> list[tuple[bool, int | None]]:
     """Per offloading optimizer of the chain: (whether its threads adapt, its threads)."""
     hdos = [c.optimizer for c in opt.chained_optimizers if hasattr(c.optimizer, "thread_tuner")]

@@ -16,13 +16,14 @@ The flow, one module each:
   the Adam moment dtypes read from megatron-core's config, loading its checkpoints.
 """
 
-from .hybrid import HostMirrorHybridOptimizer, attach_host_mirrors
+from .hybrid import HostMirrorHybridOptimizer, attach_host_mirrors, offloads_to_host
 from .sources import OffloadSource, offload_sources, source_mirror
 
 __all__ = [
     "HostMirrorHybridOptimizer",
     "OffloadSource",
     "attach_host_mirrors",
+    "offloads_to_host",
     "offload_sources",
     "source_mirror",
 ]

@@ -505,6 +505,18 @@ def _counts_per_group(opt: torch.optim.Optimizer) -> bool:
     return not type(opt).__module__.startswith("torch.optim")
 
 
+def offloads_to_host(child) -> bool:
+    """Whether ``child`` (one optimizer of a chain) is a distributed optimizer over a
+    ``HybridDeviceOptimizer`` with parameters on the host."""
+    hdo = getattr(child, "optimizer", None)
+    return (
+        isinstance(child, DistributedOptimizer)
+        and isinstance(hdo, HybridDeviceOptimizer)
+        and not getattr(child, "is_stub_optimizer", False)
+        and bool(getattr(hdo, "cpu_param_groups", None))
+    )
+
+
 def attach_host_mirrors(
     child,
     *,
@@ -514,6 +526,7 @@ def attach_host_mirrors(
     convert_on_device: bool = False,
     delayed_update: bool = False,
     delay_warmup: int = 0,
+    sharing: int = 1,
 ) -> bool:
     """Give a distributed optimizer's ``HybridDeviceOptimizer`` flat host mirrors.
 
@@ -530,6 +543,9 @@ def attach_host_mirrors(
             forward and backward ([Note: the delayed offloaded update] in :mod:`.chunked`);
             needs ``chunked_step``.
         delay_warmup: with ``delayed_update``, how many steps run exact first.
+        sharing: with ``delayed_update`` and ``threads`` None, how many delayed host
+            updates run at once on this rank (the offloading optimizers of one chain): the
+            rank's cores are divided among their workers.
 
     Attached at every offload fraction: at fraction 0 there is no mirror, but natively
     fp32 parameters on the GPU still need :meth:`HostMirrorHybridOptimizer._set_gpu_grads`.
@@ -563,7 +579,7 @@ def attach_host_mirrors(
     if delayed_update and threads is None:
         # the host update then runs beside the Python thread that launches the GPU's work:
         # as few threads as keep it hidden (ThreadTuner), from every core but one
-        hdo.thread_tuner = ThreadTuner.for_host()
+        hdo.thread_tuner = ThreadTuner.for_host(sharing)
         threads = hdo.thread_tuner.threads
     hdo.cpu_threads = threads
     hdo.convert_on_device = bool(convert_on_device)

@@ -87,12 +87,14 @@ class ThreadTuner:
     slack: float = 0.75
 
     @classmethod
-    def for_host(cls) -> ThreadTuner:
+    def for_host(cls, sharing: int = 1) -> ThreadTuner:
         """From every core of this rank's (:func:`cores_per_rank`) but one, between a quarter
         of them and all of them (when the next step waits, the launching thread waits too:
-        its core is free)."""
-        cores = cores_per_rank()
-        return cls(threads=delayed_update_threads(), low=max(1, cores // 4), high=cores)
+        its core is free); ``sharing``: how many delayed updates run at once on this rank
+        (one per offloading optimizer of a chain), which divide those cores among them."""
+        cores = max(1, cores_per_rank() // max(1, sharing))
+        start = delayed_update_threads() if sharing <= 1 else max(1, cores - 1)
+        return cls(threads=start, low=max(1, cores // 4), high=cores)
 
     def landed(self, worker_s: float, wait_s: float, window_s: float) -> int:
         """The threads for the next update, from the one that landed: its worker's wall
