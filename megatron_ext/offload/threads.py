@@ -93,8 +93,7 @@ class ThreadTuner:
         its core is free); ``sharing``: how many delayed updates run at once on this rank
         (one per offloading optimizer of a chain), which divide those cores among them."""
         cores = max(1, cores_per_rank() // max(1, sharing))
-        start = delayed_update_threads() if sharing <= 1 else max(1, cores - 1)
-        return cls(threads=start, low=max(1, cores // 4), high=cores)
+        return cls(threads=max(1, cores - 1), low=max(1, cores // 4), high=cores)
 
     def landed(self, worker_s: float, wait_s: float, window_s: float) -> int:
         """The threads for the next update, from the one that landed: its worker's wall
