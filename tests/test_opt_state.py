@@ -184,6 +184,7 @@ def test_options_reach_every_child(monkeypatch, host_mirrors, step, convert):
         convert_on_device=convert == "device",
         delayed_update=False,
         delay_warmup=10,
+        sharing=1,  # no child of this one-child chain offloads: the cores are not divided
     )
     assert attached == ([(child, want)] if host_mirrors else [])
     assert child._flat.norm_clip.options is options
