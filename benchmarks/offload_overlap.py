@@ -244,7 +244,8 @@ def measure(args, label: str, overrides: dict, options: dict | None, micro: int)
     try:
         model, opt = build(args, overrides, options)
         data = batches(args, micro)
-        seconds, fwd_bwd, worker, wait, threads = [], [], [], [], []
+        seconds, fwd_bwd, worker, wait = [], [], [], []
+        threads = None  # the worker's at the last timed step: where the tuner had got to
         for step in range(args.warmup + args.steps):
             start, synced = (
                 torch.cuda.Event(enable_timing=True),
@@ -262,14 +263,14 @@ def measure(args, label: str, overrides: dict, options: dict | None, micro: int)
                 if landed:
                     worker.append(1e3 * sum(x.worker_s for x in landed))
                     wait.append(1e3 * sum(x.wait_s for x in landed))
-                    threads.append(max((x.threads or 0) for x in landed))
+                    threads = max((x.threads or 0) for x in landed)
         megatron_ext.drain_offload(opt)
         row["step_ms"] = 1e3 * statistics.median(seconds)
         row["fwd_bwd_ms"] = statistics.median(fwd_bwd)
         if worker:
             row["worker_ms"] = statistics.median(worker)
             row["land_wait_ms"] = statistics.median(wait)
-            row["worker_threads"] = threads[-1]  # where the tuner had got to
+            row["worker_threads"] = threads
         row["peak_gib"] = gib(torch.cuda.max_memory_allocated())
     except Exception as exc:  # a configuration that cannot run is a result
         row.update(error_fields(exc))

@@ -43,12 +43,15 @@ def _host_generator(device=None) -> torch.Generator:
     return torch._C.Generator()
 
 
-def loss_curves_job(rank, world, log, out_dir, task):
+@contextlib.contextmanager
+def _gpt_on_the_cpu():
+    """The benchmark's GPT and stacks on the CPU shim, inside a spawned rank: megatron-core's
+    offload placement replayed, no CUDA RNG, host generators, no precision-aware optimizer
+    (it needs transformer-engine). Yields the MonkeyPatch for more."""
     from megatron.core.tensor_parallel import random as mp_random
 
     from benchmarks import offload_overlap
 
-    args = offload_overlap.parse_args(["--out", out_dir, *ARGV])
     with pytest.MonkeyPatch.context() as patch, adam_path("torch+offload"):
         # megatron-core's CUDA RNG: no device generator here, and nothing reads it
         patch.setattr(mp_random, "model_parallel_cuda_manual_seed", lambda *a, **k: None)
@@ -59,6 +62,14 @@ def loss_curves_job(rank, world, log, out_dir, task):
         )
         patch.setattr(torch, "Generator", _host_generator)
         patch.setattr(offload_overlap, "PA", dict(use_precision_aware_optimizer=False))
+        yield patch
+
+
+def loss_curves_job(rank, world, log, out_dir, task):
+    from benchmarks import offload_overlap
+
+    args = offload_overlap.parse_args(["--out", out_dir, *ARGV])
+    with _gpt_on_the_cpu():
         return offload_overlap.loss_curves(args, task)
 
 
@@ -98,21 +109,11 @@ class _TimingEvent:
 
 
 def measure_job(rank, world, log, out_dir):
-    from megatron.core.tensor_parallel import random as mp_random
-
     from benchmarks import offload_overlap
 
     args = offload_overlap.parse_args(["--out", out_dir, *ARGV, "--steps", "3", "--warmup", "3"])
     real_event = torch.cuda.Event
-    with pytest.MonkeyPatch.context() as patch, adam_path("torch+offload"):
-        patch.setattr(mp_random, "model_parallel_cuda_manual_seed", lambda *a, **k: None)
-        patch.setattr(
-            type(mp_random.get_cuda_rng_tracker()),
-            "fork",
-            lambda self, *a, **k: contextlib.nullcontext(),
-        )
-        patch.setattr(torch, "Generator", _host_generator)
-        patch.setattr(offload_overlap, "PA", dict(use_precision_aware_optimizer=False))
+    with _gpt_on_the_cpu() as patch:
         patch.setattr(
             torch.cuda,
             "Event",
