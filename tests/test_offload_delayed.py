@@ -481,3 +481,19 @@ def test_the_worker_threads_follow_the_time_each_update_had(cpu_streams, monkeyp
     ref.land()
     assert_device(model, ref, "drained")
     assert_state(model, ref)
+
+
+def test_a_mirror_sharing_its_staging_still_orders_the_delayed_copies(cpu_streams):
+    """Mirrors built for the exact step (one staging for gradients and parameters) then
+    stepped delayed: the copies to the host must wait for the copies back out of the same
+    bytes (the stream checker raises at the copy otherwise); the device values stay the
+    one-step-late reference's."""
+    model = Model(True, 1.0, cls=MirrorChunked)
+    assert all(m.param_staging is None for m in model.hdo.host_mirrors)
+    model.hdo.delayed_update, model.hdo.delay_warmup = True, 2
+    ref = Reference(model, delayed=True, warmup=2)
+    run(model, ref, range(5))
+    assert offload_internals.chunked(model.hdo).shared_staging
+    model.hdo.drain()
+    ref.land()
+    assert_device(model, ref, "drained")

@@ -52,18 +52,18 @@ def chain_threads_job(rank, world, log, out_dir):
         patch.setattr(os, "cpu_count", lambda: 16)
         patch.delenv("LOCAL_WORLD_SIZE", raising=False)
         out = {}
-        for experts in (True, False):
+        for experts, fraction in ((True, 1.0), (False, 1.0), (True, 0.0)):
             import megatron_ext
 
             _, opt = build(
                 True,
                 experts=experts,
                 optimizer_cpu_offload=True,
-                optimizer_offload_fraction=1.0,
+                optimizer_offload_fraction=fraction,
                 use_precision_aware_optimizer=True,
                 options=megatron_ext.MegatronOptions(offload_delayed_update=True),
             )
-            out[experts] = [
+            out[experts, fraction] = [
                 (c.optimizer.thread_tuner.high, c.optimizer.cpu_threads)
                 for c in opt.chained_optimizers
                 if getattr(c.optimizer, "thread_tuner", None) is not None
@@ -73,10 +73,12 @@ def chain_threads_job(rank, world, log, out_dir):
 
 def test_the_offloading_optimizers_of_a_chain_share_the_cores(tmp_path):
     """Their delayed updates run at once: with an expert weight (two offloading optimizers)
-    each worker gets half of the 16 cores, 7 to start with; alone, all 16, 15 to start."""
+    each worker gets half of the 16 cores, 7 to start with; alone, all 16, 15 to start; an
+    optimizer with nothing on the host (fraction 0) runs no host update and takes no share."""
     (out,) = run_ranks(tmp_path, 1, chain_threads_job)
-    assert out[True] == [(8, 7), (8, 7)]
-    assert out[False] == [(16, 15)]
+    assert out[True, 1.0] == [(8, 7), (8, 7)]
+    assert out[False, 1.0] == [(16, 15)]
+    assert out[True, 0.0] == [(16, 15), (16, 15)]
 
 
 def _threads(opt) -> list[tuple[bool, int | None]]:
