@@ -32,11 +32,14 @@ delayed, and, as an independent reference, the GPU-resident optimizer exact and 
 forward and backward reading the parameters one step late (:class:`Lagged`: the previous
 step's values swapped in around them, the same warm-up). The loss is next-token
 prediction: each sample is drawn one token longer than ``--seq``, the inputs are its first
-``--seq`` tokens and the labels its last (Megatron's convention). Tasks: ``markov``, fresh
-batches of a fixed random Markov chain over ``--markov-states`` tokens with 4 successors
-each (its entropy is the loss floor); ``memorize``, ``--loss-batches`` fixed batches of
-random tokens cycled: the next tokens are random, learnable only by memorizing the fixed
-batches (progress per step is large, so is the cost of a stale gradient). The summary
+``--seq`` tokens and the labels its last (Megatron's convention). The lr is constant, or
+warms up and decays as Megatron-LM's training loop schedules it (``--lr-warmup-steps``,
+``--lr-decay-style``, ``--min-lr``: megatron-core's ``OptimizerParamScheduler``). Tasks:
+``markov``, fresh batches of a fixed random Markov chain over ``--markov-states`` tokens
+with 4 successors each (its entropy is the loss floor); ``memorize``, ``--loss-batches``
+fixed batches of random tokens cycled: the next tokens are random, learnable only by
+memorizing the fixed batches (progress per step is large, so is the cost of a stale
+gradient). ``--loss-curves`` trains some of the four only. The summary
 compares the mean loss of the last 50 steps, delayed against exact, ours and the
 reference's.
 
@@ -119,7 +122,14 @@ def build(args, overrides: dict, options: dict | None):
         module,
         config,
         per_dtype_grad_buffers=options is not None,
-        optimizer=dict(optimizer="adam", lr=args.lr, bf16=True, clip_grad=1.0, **overrides),
+        optimizer=dict(
+            optimizer="adam",
+            lr=args.lr,
+            min_lr=min_lr(args),
+            bf16=True,
+            clip_grad=1.0,
+            **overrides,
+        ),  # fmt: skip
         options=None if options is None else megatron_ext.MegatronOptions(**options),
     )
     return stack.model, stack.optimizer
@@ -336,10 +346,10 @@ def loss_curves(args, task: str) -> dict:
     losses and the mean of the last 50 steps, delayed against exact."""
     import megatron_ext
 
-    curves = {}
+    curves, lrs = {}, {}
     offload = PA | dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
     data, floor = task_batches(args, task)
-    for name in CURVES:
+    for name in (c for c in CURVES if c in args.loss_curves):
         delayed = name.endswith("delayed")
         if name.startswith("resident"):
             model, opt = build(args, PA, {})
@@ -350,7 +360,13 @@ def loss_curves(args, task: str) -> dict:
                 options["offload_delay_warmup"] = args.delay_warmup
             model, opt = build(args, offload, options)
             lag = None
-        losses = [train_step(model, opt, [micro], lag=lag) for micro in data]
+        schedule = lr_schedule(args, opt)
+        losses, lrs[name] = [], []
+        for micro in data:
+            lrs[name].append(float(opt.param_groups[0]["lr"]))
+            losses.append(train_step(model, opt, [micro], lag=lag))
+            if schedule is not None:
+                schedule.step(1)
         megatron_ext.drain_offload(opt)
         curves[name] = [float(x) for x in losses]
         print(f"{NAME}: {task} {name}: last loss {curves[name][-1]:.4f}", file=sys.stderr)
@@ -359,15 +375,46 @@ def loss_curves(args, task: str) -> dict:
         torch.cuda.empty_cache()
     tail = min(50, args.loss_steps)
     last = {k: statistics.fmean(v[-tail:]) for k, v in curves.items()}
+
+    def relative(late: str, exact: str) -> float | None:
+        if late not in last or exact not in last:
+            return None
+        return (last[late] - last[exact]) / last[exact]
+
     return {
         "losses": curves,
+        "lr": lrs,
         "last_mean": last,
-        "last_relative": (last["delayed"] - last["exact"]) / last["exact"],
-        "resident_relative": (last["resident_delayed"] - last["resident_exact"])
-        / last["resident_exact"],
+        "last_relative": relative("delayed", "exact"),
+        "resident_relative": relative("resident_delayed", "resident_exact"),
         "last_steps": tail,
         "floor": floor,
     }
+
+
+def lr_schedule(args, opt):
+    """megatron-core's ``OptimizerParamScheduler`` over the loss curve's steps, as
+    Megatron-LM's training loop drives it (``step(1)`` after each optimizer step; the lr of
+    step 0 is the warm-up's start, 0), or None for a constant lr (no warm-up, constant
+    decay)."""
+    if args.lr_warmup_steps <= 0 and args.lr_decay_style == "constant":
+        return None
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    wd = float(opt.param_groups[0]["weight_decay"])
+    return OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=min_lr(args),
+        lr_warmup_steps=args.lr_warmup_steps,
+        lr_decay_steps=args.loss_steps,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=wd,
+        end_wd=wd,
+        wd_incr_steps=args.loss_steps,
+        wd_incr_style="constant",
+    )
 
 
 def parse_args(argv: list[str] | None):
@@ -402,8 +449,32 @@ def parse_args(argv: list[str] | None):
         help="the delayed worker's thread counts also measured at the first fraction "
         "(default: every usable core)",
     )  # fmt: skip
+    ap.add_argument(
+        "--loss-curves", nargs="+", choices=CURVES, default=list(CURVES),
+        help="which of the loss curves to train (default: all four)",
+    )  # fmt: skip
     ap.add_argument("--lr", type=float, default=3e-4, help="Adam's lr (default: %(default)s)")
-    return ap.parse_args(argv)
+    ap.add_argument(
+        "--lr-warmup-steps", type=int, default=0,
+        help="loss curves: the lr rises linearly from 0 over these steps (default: "
+        "%(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant",
+        help="loss curves: then decays to --min-lr at the last step, megatron-core's "
+        "OptimizerParamScheduler (default: %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--min-lr", type=float, default=None,
+        help="loss curves: where a decaying lr ends (default: a tenth of --lr)",
+    )  # fmt: skip
+    args = ap.parse_args(argv)
+    if 0 < args.loss_steps <= args.lr_warmup_steps:
+        ap.error(
+            f"--lr-warmup-steps {args.lr_warmup_steps} must be fewer than --loss-steps "
+            f"{args.loss_steps}"
+        )
+    return args
 
 
 def add_kept(rows: list[dict]) -> None:
@@ -461,8 +532,8 @@ def main(argv: list[str] | None = None) -> dict:
         floor = "" if loss["floor"] is None else f"; the task's floor {loss['floor']:.4f}"
         print(
             f"{task} loss, mean of the last {loss['last_steps']} steps: {means}; delayed vs "
-            f"exact {loss['last_relative']:+.2%} (the reference's {loss['resident_relative']:+.2%})"
-            f"{floor}"
+            f"exact {_percent(loss['last_relative'])} (the reference's "
+            f"{_percent(loss['resident_relative'])}){floor}"
         )
     return result
 
@@ -480,6 +551,23 @@ COLUMNS = [
     Column("baseline GiB", "baseline_gib", lambda v: f"{v:.2f}", "allocated before it was built"),
     Column("status", "error", lambda v: str(v)[:60], "empty: ran"),
 ]
+
+
+def min_lr(args) -> float:
+    """Where a decaying lr ends: ``--min-lr``, else a tenth of ``--lr``."""
+    return args.min_lr if args.min_lr is not None else args.lr / 10
+
+
+def _percent(value: float | None) -> str:
+    return "not trained" if value is None else f"{value:+.2%}"
+
+
+def _schedule_words(args) -> str:
+    if args.lr_warmup_steps <= 0 and args.lr_decay_style == "constant":
+        return f"lr {args.lr:g}"
+    return (
+        f"lr {args.lr:g}, warm-up {args.lr_warmup_steps}, {args.lr_decay_style} to {min_lr(args):g}"
+    )
 
 
 def _plot(result: dict, args, title: str) -> None:
@@ -501,9 +589,10 @@ def _plot(result: dict, args, title: str) -> None:
         bx.set_xlabel("step")
         bx.set_ylabel("loss")
         bx.set_title(
-            f"{task}, offload 1.0, lr {args.lr:g}, delay after {args.delay_warmup}: last "
-            f"{loss['last_steps']} mean {loss['last_relative']:+.2%} "
-            f"(reference {loss['resident_relative']:+.2%})",
+            f"{task}, offload 1.0, {_schedule_words(args)}, delay after "
+            f"{args.delay_warmup}: last {loss['last_steps']} mean "
+            f"{_percent(loss['last_relative'])} (reference "
+            f"{_percent(loss['resident_relative'])})",
             fontsize=8,
         )
         bx.legend(fontsize=7)

@@ -21,6 +21,7 @@ delay, the benchmark's ``Lagged``, which shares no code with the delayed offload
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -65,10 +66,10 @@ def _gpt_on_the_cpu():
         yield patch
 
 
-def loss_curves_job(rank, world, log, out_dir, task):
+def loss_curves_job(rank, world, log, out_dir, task, extra=()):
     from benchmarks import offload_overlap
 
-    args = offload_overlap.parse_args(["--out", out_dir, *ARGV])
+    args = offload_overlap.parse_args(["--out", out_dir, *ARGV, *extra])
     with _gpt_on_the_cpu():
         return offload_overlap.loss_curves(args, task)
 
@@ -91,6 +92,56 @@ def test_ours_exact_and_delayed_equal_the_resident_optimizer_exact_and_one_step_
     assert curves["delayed"][:first_late] == curves["exact"][:first_late]
     late = zip(curves["delayed"][first_late:], curves["exact"][first_late:], strict=True)
     assert all(d != e for d, e in late)
+
+
+SCHEDULE = ["--lr", "1e-3", "--lr-warmup-steps", "2", "--lr-decay-style", "cosine"]
+
+
+def _cosine_lrs(steps: int, warmup: int, top: float, bottom: float) -> list[float]:
+    """The lr of each step, written from Megatron-LM's schedule: linear from 0 over
+    ``warmup`` steps, then a half cosine from ``top`` down to ``bottom`` at the last step."""
+    out = []
+    for n in range(steps):
+        if n <= warmup:
+            out.append(top * n / warmup)
+        else:
+            ratio = (n - warmup) / (steps - warmup)
+            out.append(bottom + (top - bottom) * 0.5 * (1 + math.cos(math.pi * ratio)))
+    return out
+
+
+def test_a_scheduled_lr_reaches_every_curve_and_keeps_ours_equal_to_the_references(tmp_path):
+    """With a warm-up and a cosine decay, every curve steps at the scheduled lr, and ours
+    still equals the references bit for bit (the delayed update reads each step's lr when
+    it starts, as the exact one does); the lr changes the losses (the schedule acts). Also:
+    ``--loss-curves`` trains only the curves named, in the order of ``CURVES``."""
+    (out,) = run_ranks(tmp_path, 1, loss_curves_job, "markov", SCHEDULE)
+    steps = int(ARGV[ARGV.index("--loss-steps") + 1])
+    want = _cosine_lrs(steps, 2, 1e-3, 1e-4)
+    assert set(out["lr"]) == set(out["losses"]) == {
+        "exact", "delayed", "resident_exact", "resident_delayed"
+    }  # fmt: skip
+    for name, lrs in out["lr"].items():
+        assert lrs == pytest.approx(want, rel=1e-12, abs=0), name
+    curves = out["losses"]
+    assert curves["exact"] == curves["resident_exact"]
+    assert curves["delayed"] == curves["resident_delayed"]
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    (plain,) = run_ranks(
+        plain_dir,
+        1,
+        loss_curves_job,
+        "markov",
+        ["--lr", "1e-3", "--loss-curves", "delayed", "exact"],
+    )
+    assert list(plain["losses"]) == ["exact", "delayed"]
+    assert plain["last_relative"] is not None and plain["resident_relative"] is None
+    assert plain["lr"]["exact"] == [1e-3] * steps
+    assert plain["losses"]["exact"][0] == curves["exact"][0]  # the same start and batch
+    assert all(
+        a != b for a, b in zip(plain["losses"]["exact"][1:], curves["exact"][1:], strict=True)
+    )
 
 
 class _TimingEvent:
