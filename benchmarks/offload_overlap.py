@@ -341,9 +341,11 @@ def task_batches(args, task: str, device="cuda") -> tuple[list, float | None]:
 CURVES = ("exact", "delayed", "resident_exact", "resident_delayed")
 
 
-def loss_curves(args, task: str) -> dict:
-    """The four curves of :data:`CURVES` from the same start over the same batches: per-step
-    losses and the mean of the last 50 steps, delayed against exact."""
+def loss_curves(args, task: str, progress=None) -> dict:
+    """The curves of :data:`CURVES` asked for (``--loss-curves``) from the same start over
+    the same batches: per-step losses and lrs, and the mean of the last 50 steps, delayed
+    against exact. ``progress``: called with the summary so far after each curve (a long
+    run cut short keeps the curves it finished)."""
     import megatron_ext
 
     curves, lrs = {}, {}
@@ -373,6 +375,12 @@ def loss_curves(args, task: str) -> dict:
         del model, opt, lag
         gc.collect()
         torch.cuda.empty_cache()
+        if progress is not None:
+            progress(_loss_summary(args, curves, lrs, floor))
+    return _loss_summary(args, curves, lrs, floor)
+
+
+def _loss_summary(args, curves: dict, lrs: dict, floor: float | None) -> dict:
     tail = min(50, args.loss_steps)
     last = {k: statistics.fmean(v[-tail:]) for k, v in curves.items()}
 
@@ -389,6 +397,7 @@ def loss_curves(args, task: str) -> dict:
         "resident_relative": relative("resident_delayed", "resident_exact"),
         "last_steps": tail,
         "floor": floor,
+        "schedule": _schedule_words(args),
     }
 
 
@@ -516,8 +525,13 @@ def main(argv: list[str] | None = None) -> dict:
         if args.loss_steps > 0:
             result["loss"] = {}
             for task in args.loss_tasks:
+
+                def progress(partial: dict, task=task) -> None:
+                    result["loss"][task] = partial
+                    write_json([result], args.out, NAME)
+
                 try:
-                    result["loss"][task] = loss_curves(args, task)
+                    result["loss"][task] = loss_curves(args, task, progress)
                 except Exception as exc:  # the timings above stand; the failure is shown
                     result.setdefault("loss_error", {})[task] = error_fields(exc)
                     print(f"{NAME}: {task} loss curves failed: {exc}", file=sys.stderr)

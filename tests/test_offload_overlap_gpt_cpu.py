@@ -70,8 +70,10 @@ def loss_curves_job(rank, world, log, out_dir, task, extra=()):
     from benchmarks import offload_overlap
 
     args = offload_overlap.parse_args(["--out", out_dir, *ARGV, *extra])
+    seen: list[list[str]] = []  # the curves each progress call held
     with _gpt_on_the_cpu():
-        return offload_overlap.loss_curves(args, task)
+        out = offload_overlap.loss_curves(args, task, lambda s: seen.append(list(s["losses"])))
+    return out | {"progress": seen}
 
 
 @pytest.mark.parametrize("task", ["markov", "memorize"])
@@ -136,6 +138,7 @@ def test_a_scheduled_lr_reaches_every_curve_and_keeps_ours_equal_to_the_referenc
         ["--lr", "1e-3", "--loss-curves", "delayed", "exact"],
     )
     assert list(plain["losses"]) == ["exact", "delayed"]
+    assert plain["progress"] == [["exact"], ["exact", "delayed"]]  # after each curve
     assert plain["last_relative"] is not None and plain["resident_relative"] is None
     assert plain["lr"]["exact"] == [1e-3] * steps
     assert plain["losses"]["exact"][0] == curves["exact"][0]  # the same start and batch
