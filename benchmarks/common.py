@@ -752,11 +752,20 @@ def save_figure(fig, out_dir: Path, name: str, title: str) -> Path | str:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.png"
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(wrap_title(title, fig.get_figwidth()), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120, metadata={"Title": title})
     plt.close(fig)
     return path
+
+
+def wrap_title(title: str, width_in: float, chars_per_in: float = 14.0) -> str:
+    """``title`` broken into lines that fit a figure ``width_in`` inches wide at the titles'
+    font size (9 points: about ``chars_per_in`` characters an inch), so a one-panel figure
+    shows all of it; the PNG's metadata keeps it whole."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(title, max(20, int(width_in * chars_per_in)))) or title
 
 
 def show_ms(seconds: float) -> str:

@@ -604,7 +604,7 @@ def _plot(result: dict, args, title: str) -> None:
         bx.set_ylabel("loss")
         bx.set_title(
             f"{task}, offload 1.0, {_schedule_words(args)}, delay after "
-            f"{args.delay_warmup}: last {loss['last_steps']} mean "
+            f"{args.delay_warmup}:\nlast {loss['last_steps']} mean "
             f"{_percent(loss['last_relative'])} (reference "
             f"{_percent(loss['resident_relative'])})",
             fontsize=8,

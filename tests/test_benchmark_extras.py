@@ -87,3 +87,19 @@ def test_without_matplotlib_the_plotting_code_runs_and_no_png_is_written(tmp_pat
         assert list(ax.get_xticklabels()) == []
     assert common.save_figure(fig, tmp_path, "plot", "title") == common.NO_PNG
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_figure_title_is_wrapped_to_the_figure_width_and_kept_whole_in_the_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from benchmarks import common
+
+    title = "NVIDIA H100 80GB HBM3, host a 16-core Xeon | torch 2.11.0+cu130 | " * 3
+    lines = common.wrap_title(title.strip(), 6.0).split("\n")
+    assert len(lines) > 1 and all(len(line) <= 84 for line in lines)
+    assert " ".join(lines) == " ".join(title.split())
+    assert common.wrap_title("short", 6.0) == "short"
+    fig, _ = common.new_figure(1)
+    path = common.save_figure(fig, tmp_path, "t", title.strip())
+    assert Image.open(path).info["Title"] == title.strip()
