@@ -406,7 +406,7 @@ def lr_schedule(args, opt):
     Megatron-LM's training loop drives it (``step(1)`` after each optimizer step; the lr of
     step 0 is the warm-up's start, 0), or None for a constant lr (no warm-up, constant
     decay)."""
-    if args.lr_warmup_steps <= 0 and args.lr_decay_style == "constant":
+    if not lr_scheduled(args):
         return None
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -567,6 +567,11 @@ COLUMNS = [
 ]
 
 
+def lr_scheduled(args) -> bool:
+    """Whether the loss curves' lr changes over the run (a warm-up or a decay)."""
+    return args.lr_warmup_steps > 0 or args.lr_decay_style != "constant"
+
+
 def min_lr(args) -> float:
     """Where a decaying lr ends: ``--min-lr``, else a tenth of ``--lr``."""
     return args.min_lr if args.min_lr is not None else args.lr / 10
@@ -577,7 +582,7 @@ def _percent(value: float | None) -> str:
 
 
 def _schedule_words(args) -> str:
-    if args.lr_warmup_steps <= 0 and args.lr_decay_style == "constant":
+    if not lr_scheduled(args):
         return f"lr {args.lr:g}"
     return (
         f"lr {args.lr:g}, warm-up {args.lr_warmup_steps}, {args.lr_decay_style} to {min_lr(args):g}"
