@@ -17,7 +17,10 @@ may still run: that is the overlap). Configurations, per micro-batch count:
   its worker on every usable core but one (the default);
 - ``delayed_offload_F_threads_N`` (first fraction only, ``--thread-variants``): the same
   with its worker on N threads; N every usable core: the thread launching the GPU's work
-  competing with the worker for them.
+  competing with the worker for them;
+- ``delayed_offload_F_pinned`` (first fraction only, unless ``--no-pinned``): the default
+  worker pinned (``offload_pin_threads``) to every usable core but the first, which the
+  launching thread then has to itself.
 
 ``kept``: the GPU-resident step time over the configuration's (the throughput kept).
 ``fwd_bwd``: the device time from the step's start to the end of its gradient sync (CUDA
@@ -76,10 +79,12 @@ NAME = "offload_overlap"
 PA = dict(use_precision_aware_optimizer=True)
 
 
-def configs(fractions, thread_variants=None) -> list[tuple[str, dict, dict | None]]:
+def configs(
+    fractions, thread_variants=None, pinned: bool = True
+) -> list[tuple[str, dict, dict | None]]:
     """(label, OptimizerConfig overrides, MegatronOptions fields or None for stock);
     ``thread_variants``: the delayed worker's thread counts to measure at the first fraction
-    (None: every usable core)."""
+    (None: every usable core); ``pinned``: also the default worker pinned there."""
     out: list[tuple[str, dict, dict | None]] = [("gpu_resident", PA, {})]
     for f in fractions:
         offload = PA | dict(optimizer_cpu_offload=True, optimizer_offload_fraction=f)
@@ -107,6 +112,19 @@ def configs(fractions, thread_variants=None) -> list[tuple[str, dict, dict | Non
                         offload_delayed_update=True,
                         offload_delay_warmup=1,
                         offload_threads=n,
+                    ),
+                )
+            )
+        if pinned:
+            out.append(
+                (
+                    f"delayed_offload_{f}_pinned",
+                    offload,
+                    dict(
+                        offload_step="chunked",
+                        offload_delayed_update=True,
+                        offload_delay_warmup=1,
+                        offload_pin_threads=True,
                     ),
                 )
             )
@@ -459,6 +477,10 @@ def parse_args(argv: list[str] | None):
         "(default: every usable core)",
     )  # fmt: skip
     ap.add_argument(
+        "--no-pinned", dest="pinned", action="store_false",
+        help="leave out the delayed worker pinned off the launching thread's core",
+    )  # fmt: skip
+    ap.add_argument(
         "--loss-curves", nargs="+", choices=CURVES, default=list(CURVES),
         help="which of the loss curves to train (default: all four)",
     )  # fmt: skip
@@ -515,7 +537,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         parallel_state.initialize_model_parallel()
         for micro in args.micro_batches:
-            for label, overrides, options in configs(args.fractions, args.thread_variants):
+            for label, overrides, options in configs(
+                args.fractions, args.thread_variants, args.pinned
+            ):
                 row = measure(args, label, overrides, options, micro)
                 result["rows"].append(row)
                 add_kept(result["rows"])

@@ -51,6 +51,12 @@ class MegatronOptions(BufferOptions):
             optimizers of a chain, whose updates run at once), the fewest threads (at least
             a quarter of those cores) with which the host update still ends before the next
             step needs it; an int fixes them.
+        offload_pin_threads: with ``offload_delayed_update``, pin the host update's worker
+            and its helper threads to this rank's cores but one (Linux; the rank's cores as
+            ``offload_threads`` counts them, in order), so the Python thread that launches
+            the GPU's forward and backward always finds the first of them free; that thread
+            itself is not pinned (nor what it starts, data-loader processes included). No
+            result changes.
     """
 
     host_mirrors: bool = True
@@ -60,6 +66,7 @@ class MegatronOptions(BufferOptions):
     offload_convert: str = "host"
     offload_delayed_update: bool = False
     offload_delay_warmup: int = 10
+    offload_pin_threads: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -89,6 +96,11 @@ class MegatronOptions(BufferOptions):
             raise ValueError(
                 "offload_delayed_update=True runs the chunked step; use offload_step='chunked' "
                 "(the default) or drop offload_delayed_update"
+            )
+        if self.offload_pin_threads and not self.offload_delayed_update:
+            raise ValueError(
+                "offload_pin_threads=True pins the delayed update's worker threads; add "
+                "offload_delayed_update=True or drop offload_pin_threads"
             )
         warmup = self.offload_delay_warmup
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:

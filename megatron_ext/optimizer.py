@@ -150,6 +150,7 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
                 delayed_update=options.offload_delayed_update,
                 delay_warmup=options.offload_delay_warmup,
                 sharing=max(1, offloading),
+                pin_threads=options.offload_pin_threads,
             )
     if isinstance(opt, ChainedOptimizer):
         over_children: NormClip | None = None  # a chain of one hands everything to its child

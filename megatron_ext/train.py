@@ -76,6 +76,7 @@ class TrainOptions:
     offload_convert: str = "host"
     offload_delayed_update: bool = False
     offload_delay_warmup: int = 10
+    offload_pin_threads: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainOptions:
@@ -88,6 +89,7 @@ class TrainOptions:
             offload_convert=getattr(args, "offload_convert", None) or "host",
             offload_delayed_update=bool(getattr(args, "offload_delayed_update", False)),
             offload_delay_warmup=_given(getattr(args, "offload_delay_warmup", None), 10),
+            offload_pin_threads=bool(getattr(args, "offload_pin_threads", False)),
         )
 
     @property
@@ -104,6 +106,8 @@ class TrainOptions:
             out.append("--offload-delayed-update")
         if self.offload_delay_warmup != 10:
             out.append(f"--offload-delay-warmup {self.offload_delay_warmup}")
+        if self.offload_pin_threads:
+            out.append("--offload-pin-threads")
         return out
 
     @property
@@ -125,6 +129,7 @@ class TrainOptions:
             offload_convert=self.offload_convert,
             offload_delayed_update=self.offload_delayed_update,
             offload_delay_warmup=self.offload_delay_warmup,
+            offload_pin_threads=self.offload_pin_threads,
         )
 
 
@@ -267,6 +272,14 @@ FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
             default=10,
             metavar="N",
             help="with --offload-delayed-update: exact steps first (default: 10)",
+        ),
+    ),
+    (
+        ("--offload-pin-threads",),
+        dict(
+            action="store_true",
+            help="with --offload-delayed-update: host update threads off one core per rank, "
+            "left to the thread launching GPU work (Linux)",
         ),
     ),
     (

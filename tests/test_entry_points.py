@@ -26,6 +26,7 @@ OUR_FLAGS = (
     "--offload-step",
     "--offload-delayed-update",
     "--offload-delay-warmup",
+    "--offload-pin-threads",
     "--offload-threads",
 )
 

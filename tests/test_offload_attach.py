@@ -159,6 +159,55 @@ def test_one_thread_of_several_cores_is_warned_about(cpu_streams, monkeypatch):
     assert "1 thread of the 8 cores" in threads.threads_warning(None)
 
 
+def test_pinning_is_refused_without_the_delayed_update_and_warned_where_nothing_can_be_left(
+    cpu_streams, monkeypatch
+):
+    import warnings as w
+
+    from megatron_ext.offload import hybrid, threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="pins the delayed update's worker threads"):
+        offload.attach_host_mirrors(distopt_shaped(True, 1, 0), chunked_step=True, pin_threads=True)
+    monkeypatch.setattr(hybrid, "worker_cpus", lambda: frozenset({2, 3}))
+    with w.catch_warnings():
+        w.simplefilter("error")
+        child = distopt_shaped(True, 1, 0)
+        offload.attach_host_mirrors(child, chunked_step=True, delayed_update=True, pin_threads=True)
+    assert child.optimizer.worker_cpus == frozenset({2, 3})
+    # no more threads than the CPUs pinned to
+    assert (child.optimizer.thread_tuner.high, child.optimizer.cpu_threads) == (2, 2)
+    monkeypatch.setattr(hybrid, "worker_cpus", lambda: None)
+    monkeypatch.setattr(hybrid, "rank_cores", lambda: [5])
+    child = distopt_shaped(True, 1, 0)
+    with pytest.warns(
+        UserWarning, match=r"pins nothing here: this rank has one usable core \(\[5\]\)"
+    ):
+        offload.attach_host_mirrors(child, chunked_step=True, delayed_update=True, pin_threads=True)
+    assert child.optimizer.worker_cpus is None
+
+
+def test_the_delayed_updates_own_thread_choice_is_not_warned_about(cpu_streams, monkeypatch):
+    """On two cores the delayed update's worker takes one thread by design (the other core
+    is the launching thread's): not the one-thread warning meant for torchrun's default."""
+    import warnings as w
+
+    from megatron_ext.offload import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    child = distopt_shaped(True, 1, 0)
+    with w.catch_warnings():
+        w.simplefilter("error")
+        offload.attach_host_mirrors(child, chunked_step=True, delayed_update=True)
+    assert child.optimizer.cpu_threads == 1
+    with pytest.warns(UserWarning, match="1 thread of the 2 cores"):  # a count given: warned
+        offload.attach_host_mirrors(
+            distopt_shaped(True, 1, 0), chunked_step=True, delayed_update=True, threads=1
+        )
+
+
 def test_attach_ignores_optimizers_without_offload():
     assert offload.attach_host_mirrors(object()) is False
 

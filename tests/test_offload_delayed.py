@@ -409,6 +409,58 @@ def test_for_host_starts_at_every_core_but_one(monkeypatch):
     assert threads.ThreadTuner.for_host(32) == threads.ThreadTuner(1, 1, 1)
 
 
+def test_for_host_bounds_the_threads_by_the_pinned_cpus(monkeypatch):
+    from megatron_ext.offload import threads
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    pinned = frozenset(range(1, 16))
+    # fifteen CPUs for the worker: at most fifteen threads (sixteen would take turns)
+    assert threads.ThreadTuner.for_host(1, pinned) == threads.ThreadTuner(15, 4, 15)
+    assert threads.ThreadTuner.for_host(2, pinned) == threads.ThreadTuner(7, 2, 7)
+    assert threads.ThreadTuner.for_host(1, frozenset({3})) == threads.ThreadTuner(1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("affinity", "ranks", "rank", "want"),
+    [
+        (range(16), None, None, range(16)),  # one rank: every CPU
+        (range(16), "4", "2", range(8, 12)),  # the third of four ranks: the third quarter
+        (range(16), "4", "3", range(12, 16)),
+        (range(16), "3", "2", range(10, 15)),  # 16 // 3 = 5 each
+        (range(4, 10), "4", "1", range(4, 10)),  # the launcher gave this rank its own: those
+        (range(16), "32", "20", [4]),  # more ranks than CPUs: one each, in turn
+        (range(16), "x", "0", range(16)),  # not a number: not read
+        ([3, 1, 7], None, None, [1, 3, 7]),  # in order
+    ],
+)
+def test_each_rank_pins_its_worker_to_its_own_cpus_but_one(
+    monkeypatch, affinity, ranks, rank, want
+):
+    from megatron_ext.offload import threads
+
+    for name, value in (("LOCAL_WORLD_SIZE", ranks), ("LOCAL_RANK", rank)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(affinity), raising=False)
+    monkeypatch.setattr(threads.os, "sched_setaffinity", lambda pid, c: None, raising=False)
+    assert threads.rank_cores() == list(want)
+    assert len(threads.rank_cores()) == threads.cores_per_rank() or ranks == "32"
+    workers = threads.worker_cpus()
+    assert workers == (frozenset(list(want)[1:]) if len(list(want)) > 1 else None)
+
+
+def test_nothing_is_pinned_where_the_platform_cannot_pin(monkeypatch):
+    from megatron_ext.offload import threads
+
+    monkeypatch.delattr(threads.os, "sched_setaffinity", raising=False)
+    assert threads.worker_cpus() is None
+
+
 @pytest.mark.parametrize(
     ("ranks", "usable", "want"),
     [

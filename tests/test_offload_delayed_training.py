@@ -22,7 +22,7 @@ pytest.importorskip("megatron.core")
 STEPS = 6
 
 
-def _stack(delayed: bool, pa: bool, fraction: float, threads: int | None = None):
+def _stack(delayed: bool, pa: bool, fraction: float, threads: int | None = None, pin=False):
     import megatron_ext
 
     options = megatron_ext.MegatronOptions(
@@ -30,6 +30,7 @@ def _stack(delayed: bool, pa: bool, fraction: float, threads: int | None = None)
         offload_delayed_update=delayed,
         offload_delay_warmup=1,
         offload_threads=threads,
+        offload_pin_threads=pin,
     )
     return build(
         True,
@@ -91,14 +92,28 @@ def _held(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.module.named_parameters()}
 
 
-def delayed_loop_job(rank, world, log, out_dir, pa, fraction):
+def delayed_loop_job(rank, world, log, out_dir, pa, fraction, pin=False):
+    import os
+    import threading
+
     import megatron_ext
+    from megatron_ext.offload.step import ChunkedAdamW
 
     with adam_path("torch+offload"):  # megatron-core's placement, as on a device
-        ours, ours_opt = _stack(True, pa, fraction)
+        ours, ours_opt = _stack(True, pa, fraction, pin=pin)
         ref, ref_opt = _stack(False, pa, fraction)
         _, fixed_opt = _stack(True, pa, fraction, threads=3)
     out = [dict(threads=(_threads(ours_opt), _threads(ref_opt), _threads(fixed_opt)))]
+    # where each chunk's host update ran: (the thread's name, the CPUs it could run on, as
+    # the OS says), and the launching thread's CPUs before the loop
+    seen, launcher = [], os.sched_getaffinity(0)
+    update = ChunkedAdamW.update
+
+    def observed(self, *a, **k):
+        seen.append((threading.current_thread().name, os.sched_getaffinity(0)))
+        return update(self, *a, **k)
+
+    ChunkedAdamW.update = observed
     before = _held(ref)
     for s in range(STEPS):
         for model, opt in ((ours, ours_opt), (ref, ref_opt)):
@@ -121,18 +136,57 @@ def delayed_loop_job(rank, world, log, out_dir, pa, fraction):
         )
         before = _held(ref)
     megatron_ext.drain_offload(ours_opt)
+    ChunkedAdamW.update = update
     last = _held(ours)
     out.append(dict(drained=sorted(n for n in last if not torch.equal(last[n], before[n]))))
+    out[0].update(
+        seen=seen,
+        launcher=(launcher, os.sched_getaffinity(0)),
+        pinned=[c.optimizer.worker_cpus for c in ours_opt.chained_optimizers],
+    )
     return out
 
 
+def _two_cpus() -> bool:
+    import os
+
+    return hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
+
+
+@pytest.mark.parametrize(
+    "pin",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not _two_cpus(), reason="pinning leaves one CPU of two or more (Linux)"
+            ),
+        ),
+    ],
+    ids=["unpinned", "pinned"],
+)
 @pytest.mark.parametrize("fraction", [1.0])
 @pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])
 def test_delayed_update_in_a_training_loop_is_the_exact_update_one_step_late(
-    tmp_path, pa, fraction
+    tmp_path, pa, fraction, pin
 ):
-    (steps,) = run_ranks(tmp_path, 1, delayed_loop_job, pa, fraction)
+    """Pinned (offload_pin_threads) or not, the same bits; pinned, every delayed update
+    runs on the rank's CPUs but the first, and the launching thread keeps every CPU."""
+    import os
+
+    (steps,) = run_ranks(tmp_path, 1, delayed_loop_job, pa, fraction, pin)
     threads, *per_step, drained = steps
+    every = os.sched_getaffinity(0)
+    workers = frozenset(sorted(every)[1:]) if pin else None
+    assert threads["pinned"] and all(c in (workers, None) for c in threads["pinned"])
+    assert workers in threads["pinned"]
+    assert threads["launcher"] == (every, every)
+    late = [cpus for name, cpus in threads["seen"] if name == "megatron_ext-offload-update"]
+    exact = [cpus for name, cpus in threads["seen"] if name != "megatron_ext-offload-update"]
+    assert late and exact  # the delayed steps on the worker, the warm-up and the reference not
+    assert all(c == (workers or every) for c in late), late
+    assert all(c == every for c in exact)
     # the delayed update without a thread count adapts them, from every core but one; an
     # exact step leaves torch's setting; a count given is kept
     from megatron_ext.offload.threads import delayed_update_threads

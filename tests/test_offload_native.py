@@ -385,3 +385,80 @@ def test_rounds_find_every_read_a_task_packs_over_when_reads_overlap():
     c = [native.pack_task(param[20:24], out[20:24])]
     tasks = a + b + c
     assert _round_of(native.rounds(tasks), tasks) == [0, 0, 1]
+
+
+def _pool_cpus() -> list[set[int]]:
+    """The CPUs each of the kernel's pool threads ("adamw-host") may run on, as the
+    kernel's own /proc says."""
+    import os
+
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "adamw-host":
+                    continue
+            out.append(os.sched_getaffinity(int(tid)))
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            continue
+    return out
+
+
+def _run_pinned(kernel, cpus: set[int] | None) -> None:
+    """A kernel call with helpers, from a new thread on ``cpus`` (None: unpinned)."""
+    import os
+    import threading
+
+    errors = []
+
+    def body():
+        try:
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)  # this thread only (Linux)
+            gen = torch.Generator().manual_seed(11)
+            _kernel_step(kernel, _case(gen, [9000]), HYPERS["adamw"], [1], 4, task_numel=256)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert not errors, errors
+
+
+def _settle(want: set[int]) -> list[set[int]]:
+    """The pool threads' CPUs once each has woken (a helper whose job ended before it woke
+    applies the caller's CPUs on waking), within 5 s."""
+    import time
+
+    deadline = time.monotonic() + 5
+    while True:
+        cpus = _pool_cpus()
+        if all(c == want for c in cpus) or time.monotonic() > deadline:
+            return cpus
+        time.sleep(0.01)
+
+
+@needs_cc
+@pytest.mark.skipif(
+    not hasattr(__import__("os"), "sched_setaffinity")
+    or len(__import__("os").sched_getaffinity(0)) < 2,
+    reason="needs Linux's per-thread CPU affinity and two usable CPUs",
+)
+def test_the_pool_threads_run_where_the_calling_thread_may(kernel):
+    """Helpers created by an unpinned thread follow a caller pinned to one CPU, then one
+    pinned to another, then an unpinned one again: the delayed update's worker keeps its
+    helpers off the core it leaves to the thread that launches the GPU's work."""
+    import os
+
+    every = os.sched_getaffinity(0)
+    first, second = sorted(every)[:2]
+    _run_pinned(kernel, None)  # the pool exists, created where every CPU is allowed
+    assert _pool_cpus(), "no pool thread named adamw-host"
+    assert _settle(every) and all(c == every for c in _pool_cpus())
+    _run_pinned(kernel, {second})
+    assert _settle({second}) == [{second}] * len(_pool_cpus())
+    _run_pinned(kernel, {first})
+    assert _settle({first}) == [{first}] * len(_pool_cpus())
+    _run_pinned(kernel, None)
+    assert _settle(every) == [every] * len(_pool_cpus())

@@ -21,7 +21,7 @@ def test_every_offloaded_configuration_comes_as_stock_exact_and_delayed():
         "gpu_resident",
         "stock_offload_1.0", "exact_offload_1.0", "delayed_offload_1.0",
         "stock_offload_0.5", "exact_offload_0.5", "delayed_offload_0.5",
-        f"delayed_offload_1.0_threads_{usable_cores()}",
+        f"delayed_offload_1.0_threads_{usable_cores()}", "delayed_offload_1.0_pinned",
     ]  # fmt: skip
     by = {label: (ov, opts) for label, ov, opts in rows}
     assert by["gpu_resident"][0] == {"use_precision_aware_optimizer": True}
@@ -35,9 +35,15 @@ def test_every_offloaded_configuration_comes_as_stock_exact_and_delayed():
     assert by[f"delayed_offload_1.0_threads_{usable_cores()}"][1]["offload_threads"] == (
         usable_cores()
     )
-    variants = [label for label, _, _ in offload_overlap.configs([0.5], [3, 5])]
+    pinned = by["delayed_offload_1.0_pinned"]
+    assert pinned == (by["delayed_offload_1.0"][0], by["delayed_offload_1.0"][1] | {
+        "offload_pin_threads": True
+    })  # fmt: skip
+    variants = [label for label, _, _ in offload_overlap.configs([0.5], [3, 5], False)]
     assert variants[-2:] == ["delayed_offload_0.5_threads_3", "delayed_offload_0.5_threads_5"]
-    assert offload_overlap.configs([0.5], [])[-1][0] == "delayed_offload_0.5"
+    assert offload_overlap.configs([0.5], [], False)[-1][0] == "delayed_offload_0.5"
+    assert offload_overlap.parse_args([]).pinned is True
+    assert offload_overlap.parse_args(["--no-pinned"]).pinned is False
 
 
 def test_kept_is_the_gpu_resident_time_at_the_same_micro_batch_count_over_its_own():

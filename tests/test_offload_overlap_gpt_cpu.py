@@ -194,7 +194,7 @@ def test_measure_reports_where_a_delayed_step_spends_its_time(tmp_path):
     (rows,) = run_ranks(tmp_path, 1, measure_job)
     assert set(rows) == {
         "gpu_resident", "exact_offload_1.0", "delayed_offload_1.0",
-        "delayed_offload_1.0_threads_1",
+        "delayed_offload_1.0_threads_1", "delayed_offload_1.0_pinned",
     }  # fmt: skip
     for label, row in rows.items():
         assert "error" not in row, (label, row)

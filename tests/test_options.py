@@ -99,6 +99,14 @@ def test_delayed_update_options_are_checked():
             MegatronOptions(offload_delay_warmup=bad)
 
 
+def test_pinning_the_threads_needs_the_delayed_update():
+    assert MegatronOptions().offload_pin_threads is False
+    on = MegatronOptions(offload_delayed_update=True, offload_pin_threads=True)
+    assert on.offload_pin_threads
+    with pytest.raises(ValueError, match="offload_pin_threads=True pins the delayed update"):
+        MegatronOptions(offload_pin_threads=True)
+
+
 def test_offload_threads_are_checked():
     assert MegatronOptions().offload_threads is None
     assert MegatronOptions(offload_threads=3).offload_threads == 3

@@ -123,6 +123,12 @@ def test_delayed_update_flags_reach_the_options():
     assert options.offload_flags == ["--offload-delayed-update", "--offload-delay-warmup 3"]
     got = options.megatron_options()
     assert (got.offload_delayed_update, got.offload_delay_warmup) == (True, 3)
+    assert not got.offload_pin_threads
+    pinned = train.TrainOptions.from_args(
+        parser().parse_args(["--offload-delayed-update", "--offload-pin-threads"])
+    )
+    assert pinned.offload_flags == ["--offload-delayed-update", "--offload-pin-threads"]
+    assert pinned.megatron_options().offload_pin_threads
     zero = train.TrainOptions.from_args(parser().parse_args(["--offload-delay-warmup", "0"]))
     assert zero.megatron_options().offload_delay_warmup == 0
     with pytest.raises(SystemExit):

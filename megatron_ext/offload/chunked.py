@@ -50,7 +50,7 @@ from buffers.graphs import profiler_range
 
 from .host_mirror import HostBlock, chunk_copies
 from .step import ChunkedAdamW, HostParam, chunk_spans
-from .threads import cpu_threads
+from .threads import cpu_threads, pin_current_thread
 
 if TYPE_CHECKING:
     from .hybrid import HostMirrorHybridOptimizer
@@ -203,6 +203,7 @@ class InFlightUpdate:
 
     plan: ChunkedPlan
     threads: int | None
+    cpus: frozenset[int] | None = None  # where the worker runs (None: not pinned)
     gpu_stepped: bool = False
     waited: int = 0  # chunks whose device-to-host copy the worker has waited for
     error: BaseException | None = None
@@ -220,6 +221,8 @@ class InFlightUpdate:
     def _run(self) -> None:
         start = time.perf_counter()
         try:
+            if self.cpus is not None:  # the kernel's helpers follow this thread's CPUs
+                pin_current_thread(self.cpus)
             # torch's intra-op thread count is per calling thread under OpenMP
             with (
                 cpu_threads(self.threads),
@@ -260,7 +263,7 @@ def launch_delayed(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan, ready=None
     # the next iteration zeroes the gradient buffer on the compute stream: not before the
     # copies have read it (the host does not wait for them before it returns)
     compute.wait_stream(hdo._d2h_stream)
-    flight = InFlightUpdate(plan, hdo.cpu_threads)
+    flight = InFlightUpdate(plan, hdo.cpu_threads, hdo.worker_cpus)
     try:
         if hdo.gpu_optimizer is not None:
             hdo.gpu_optimizer.step()

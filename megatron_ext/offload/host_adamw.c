@@ -19,7 +19,10 @@
  *
  * Work is split into tasks (runs of one parameter) shared by a pool of threads that
  * persists between calls; the calling thread takes tasks too and never waits for a thread
- * that has not started.
+ * that has not started. The pool's threads (named "adamw-host") run where the last caller
+ * may run: each call that wakes them hands them its CPU affinity, so a caller pinned away
+ * from a core (the delayed update's worker, kept off the core of the thread that launches
+ * the GPU's work) keeps its helpers off it too, whichever thread created them.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -310,6 +313,8 @@ static uint64_t pool_generation;   /* advances with every call that uses the wor
 static job *pool_job;              /* the current call's job, NULL once it is over */
 static int pool_wanted;            /* workers asked to help with the current job */
 static atomic_int pool_inside;     /* workers working on pool_job */
+static cpu_set_t pool_mask;        /* the CPUs the last caller may run on: workers follow */
+static uint64_t pool_mask_generation; /* advances when pool_mask changes (0: never set) */
 
 static void work(job *j) {
     int64_t i;
@@ -321,14 +326,19 @@ static void work(job *j) {
 
 static void *worker(void *arg) {
     int me = (int)(intptr_t)arg;
-    uint64_t seen = 0;
+    uint64_t seen = 0, seen_mask = 0;
     for (;;) {
         pthread_mutex_lock(&pool_lock);
         while (pool_generation == seen) pthread_cond_wait(&pool_wake, &pool_lock);
         seen = pool_generation;
         job *j = me < pool_wanted ? pool_job : NULL;
         if (j) atomic_fetch_add(&pool_inside, 1);
+        int move = seen_mask != pool_mask_generation;
+        cpu_set_t mask = pool_mask;
+        seen_mask = pool_mask_generation;
         pthread_mutex_unlock(&pool_lock);
+        /* where the caller runs (a failure leaves this thread where it was: only placement) */
+        if (move) pthread_setaffinity_np(pthread_self(), sizeof mask, &mask);
         if (j) {
             work(j);
             atomic_fetch_sub(&pool_inside, 1);
@@ -346,6 +356,8 @@ static void forget_pool_in_child(void) {
     pool_job = NULL;
     pool_wanted = 0;
     atomic_store(&pool_inside, 0);
+    CPU_ZERO(&pool_mask);
+    pool_mask_generation = 0;
 }
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
@@ -363,6 +375,7 @@ static void grow_pool(int workers) {
         int failed = pthread_create(&th, &attr, worker, (void *)(intptr_t)pool_size);
         pthread_attr_destroy(&attr);
         if (failed) break; /* fewer helpers: the caller does the rest */
+        pthread_setname_np(th, "adamw-host");
         pool_size++;
     }
 }
@@ -400,8 +413,14 @@ void adamw_host_step(const adamw_task *tasks, int64_t ntasks, const double *hype
     int helpers = threads - 1;
     if (helpers > ntasks - 1) helpers = (int)(ntasks - 1);
     if (helpers > 0) {
+        cpu_set_t mine;
+        int placed = pthread_getaffinity_np(pthread_self(), sizeof mine, &mine) == 0;
         pthread_mutex_lock(&pool_lock);
         grow_pool(helpers);
+        if (placed && (pool_mask_generation == 0 || !CPU_EQUAL(&mine, &pool_mask))) {
+            pool_mask = mine;
+            pool_mask_generation++;
+        }
         pool_job = &j;
         pool_wanted = helpers;
         pool_generation++;

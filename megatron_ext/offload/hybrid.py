@@ -54,7 +54,7 @@ from .mirror_plan import copy_schedule, itemsize
 from .moment_dtypes import offload_moment_dtypes
 from .sources import OffloadSource, offload_sources, source_mirror
 from .step import DEFAULT_CHUNK_NUMEL, DEFAULT_COMPUTE_NUMEL, chunked_step_refusal
-from .threads import ThreadTuner, cpu_threads, threads_warning
+from .threads import ThreadTuner, cpu_threads, rank_cores, threads_warning, worker_cpus
 
 # megatron-core ships no type hints
 HybridDeviceOptimizer: Any = seam.target("HybridDeviceOptimizer")
@@ -109,6 +109,9 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     # adapts cpu_threads at each landing in a step (the delayed update without a thread
     # count given); None: cpu_threads stays as set
     thread_tuner: ThreadTuner | None = None
+    # the CPUs the delayed update's worker and its helpers run on (offload_pin_threads):
+    # this rank's but the one left to the launching thread; None: not pinned
+    worker_cpus: frozenset[int] | None = None
     _keeping_placement = False
     _warmed = False
     _torn: str | None = None  # why the chunked step refuses to run (a step failed part way)
@@ -527,6 +530,7 @@ def attach_host_mirrors(
     delayed_update: bool = False,
     delay_warmup: int = 0,
     sharing: int = 1,
+    pin_threads: bool = False,
 ) -> bool:
     """Give a distributed optimizer's ``HybridDeviceOptimizer`` flat host mirrors.
 
@@ -546,6 +550,10 @@ def attach_host_mirrors(
         sharing: with ``delayed_update`` and ``threads`` None, how many delayed host
             updates run at once on this rank (the offloading optimizers of one chain): the
             rank's cores are divided among their workers.
+        pin_threads: with ``delayed_update``, the worker and the host kernel's helpers
+            pinned to this rank's cores but one (:func:`.threads.worker_cpus`), which the
+            thread launching the GPU's work keeps; a warning, and nothing pinned, where
+            there is no second core or the platform cannot pin.
 
     Attached at every offload fraction: at fraction 0 there is no mirror, but natively
     fp32 parameters on the GPU still need :meth:`HostMirrorHybridOptimizer._set_gpu_grads`.
@@ -574,17 +582,31 @@ def attach_host_mirrors(
             "with offload_delayed_update=True"
         )
     hdo.chunked_step, hdo.chunk_numel = bool(chunked_step), int(chunk_numel)
+    if pin_threads and not delayed_update:
+        raise ValueError(
+            "offload_pin_threads=True pins the delayed update's worker threads; add "
+            "offload_delayed_update=True or drop offload_pin_threads (the exact step runs "
+            "while the GPU waits for it, on every core)"
+        )
     hdo.delayed_update, hdo.delay_warmup = bool(delayed_update), int(delay_warmup)
+    hdo.worker_cpus = worker_cpus() if pin_threads else None
+    if pin_threads and hdo.worker_cpus is None:
+        warnings.warn(
+            "megatron_ext: offload_pin_threads=True pins nothing here: this rank has one "
+            f"usable core ({rank_cores()}) or the platform cannot pin a thread "
+            "(os.sched_setaffinity, Linux); the delayed update runs unpinned",
+            stacklevel=2,
+        )
     hdo.thread_tuner = None
     if delayed_update and threads is None:
         # the host update then runs beside the Python thread that launches the GPU's work:
         # as few threads as keep it hidden (ThreadTuner), from every core but one
-        hdo.thread_tuner = ThreadTuner.for_host(sharing)
+        hdo.thread_tuner = ThreadTuner.for_host(sharing, hdo.worker_cpus)
         threads = hdo.thread_tuner.threads
     hdo.cpu_threads = threads
     hdo.convert_on_device = bool(convert_on_device)
     hdo.moment_dtypes = offload_moment_dtypes(child.config, chunked_step)
-    if hdo.cpu_param_groups:
+    if hdo.cpu_param_groups and hdo.thread_tuner is None:  # the tuner's choice is deliberate
         warning = threads_warning(threads)
         if warning:
             warnings.warn(warning, stacklevel=2)

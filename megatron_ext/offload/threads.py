@@ -46,6 +46,45 @@ def cores_per_rank() -> int:
     return cores
 
 
+def rank_cores() -> list[int]:
+    """The CPUs this rank's host update may use, in order: its affinity, or, where that is
+    every CPU and ``torchrun`` started ``LOCAL_WORLD_SIZE`` ranks on this host, the
+    ``LOCAL_RANK``-th of as many equal runs of them (what :func:`cores_per_rank` counts;
+    with more ranks than CPUs, one each in turn)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        rank = int(os.environ.get("LOCAL_RANK", "0")) % ranks
+    except ValueError:
+        ranks, rank = 1, 0
+    if ranks > 1 and len(cpus) >= (os.cpu_count() or len(cpus)):
+        each = max(1, len(cpus) // ranks)
+        start = rank * each % len(cpus)  # more ranks than CPUs: one each, in turn
+        cpus = cpus[start : start + each]
+    return cpus
+
+
+def worker_cpus() -> frozenset[int] | None:
+    """Where the delayed update's worker and its helpers are pinned
+    (``MegatronOptions(offload_pin_threads=True)``): every CPU of :func:`rank_cores` but
+    the first, which is left to the Python thread that launches the GPU's work (nothing of
+    ours runs on it; that thread is not pinned). None where there is no second CPU to
+    leave it, or the platform cannot pin a thread (``os.sched_setaffinity``: Linux)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = rank_cores()
+    return frozenset(cpus[1:]) if len(cpus) > 1 else None
+
+
+def pin_current_thread(cpus: frozenset[int]) -> None:
+    """The calling thread (only it: Linux applies an affinity per thread) on ``cpus``; the
+    host kernel's pool threads follow the thread that calls it (``host_adamw.c``)."""
+    os.sched_setaffinity(0, cpus)
+
+
 def threads_warning(threads: int | None) -> str | None:
     """A line when the CPU update would run on one thread of several usable cores."""
     n = torch.get_num_threads() if threads is None else threads
@@ -87,13 +126,17 @@ class ThreadTuner:
     slack: float = 0.75
 
     @classmethod
-    def for_host(cls, sharing: int = 1) -> ThreadTuner:
+    def for_host(cls, sharing: int = 1, pinned: frozenset[int] | None = None) -> ThreadTuner:
         """From every core of this rank's (:func:`cores_per_rank`) but one, between a quarter
         of them and all of them (when the next step waits, the launching thread waits too:
         its core is free); ``sharing``: how many delayed updates run at once on this rank
-        (one per offloading optimizer of a chain), which divide those cores among them."""
+        (one per offloading optimizer of a chain), which divide those cores among them.
+        ``pinned``: the CPUs the workers are pinned to (:func:`worker_cpus`), which then
+        bound the threads (more would only take turns on them)."""
         cores = max(1, cores_per_rank() // max(1, sharing))
-        return cls(threads=max(1, cores - 1), low=max(1, cores // 4), high=cores)
+        high = cores if pinned is None else max(1, min(cores, len(pinned) // max(1, sharing)))
+        low = max(1, min(cores // 4, high))
+        return cls(threads=max(1, min(cores - 1, high)), low=low, high=high)
 
     def landed(self, worker_s: float, wait_s: float, window_s: float) -> int:
         """The threads for the next update, from the one that landed: its worker's wall
