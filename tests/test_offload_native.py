@@ -60,14 +60,17 @@ def _torch_step(case, hyper, steps):
     return result
 
 
-def _kernel_step(k, case, hyper, steps, threads=1, vectorized=None, task_numel=native.TASK_NUMEL):
+def _kernel_step(
+    k, case, hyper, steps, threads=1, vectorized=None, task_numel=native.TASK_NUMEL, shift=0
+):
     """The kernel over the same parameters (one task list, every parameter an entry), its
-    new parameters also rounded to bf16 into ``out``."""
+    new parameters also rounded to bf16 into ``out``; ``shift``: ``out`` that many elements
+    past an aligned start (1: no vector store of it aligned, the non-temporal ones off)."""
     width = k.build.width
     got, tasks = [], []
     for i, (p, g, m, v) in enumerate(case):
         p, m, v = p.clone(), m.clone(), v.clone()
-        out = torch.empty(p.numel(), dtype=BF16)
+        out = torch.empty(p.numel() + shift, dtype=BF16)[shift:]
         n = p.numel()
         tasks += native.tasks_for(p, g, m, v, out, i, 0, n - n % width, task_numel)
         got.append((p, m, v, out))
@@ -98,16 +101,18 @@ def test_the_kernel_equals_torchs_fused_adamw_bit_for_bit(kernel, hyper, grad_dt
     sizes (each with its own tail), different steps per parameter, one and three threads,
     the AVX2 path and the portable one."""
     gen = torch.Generator().manual_seed(7)
-    sizes = [1, 7, 8, 15, 16, 17, 100, 1000, 4099, 70000]
+    sizes = [1, 7, 8, 15, 16, 17, 24, 31, 33, 47, 100, 1000, 4099, 70000]
     case = _case(gen, sizes, grad_dtype)
-    steps = [1, 2, 5, 10, 100, 1000, 3, 4, 7, 20]
+    steps = [1, 2, 5, 10, 100, 1000, 3, 4, 7, 20, 9, 11, 13, 30]
     want = _torch_step(case, HYPERS[hyper], steps)
-    paths = [None] + ([False] if kernel.vectorized else [])
-    for threads, vectorized in itertools.product((1, 3), paths):
-        got = _kernel_step(kernel, case, HYPERS[hyper], steps, threads, vectorized, 256)
+    # every vector path this CPU runs (AVX-512, AVX2, portable: the widest by default), the
+    # packed parameters' staging aligned (non-temporal stores) and not
+    paths = range(kernel.vectorized, -1, -1)
+    for threads, vectorized, shift in itertools.product((1, 3), paths, (0, 1)):
+        got = _kernel_step(kernel, case, HYPERS[hyper], steps, threads, vectorized, 256, shift)
         for (p, m, v, out), (wp, wm, wv) in zip(got, want, strict=True):
             for a, b in ((p, wp), (m, wm), (v, wv), (out, wp.to(BF16))):
-                assert torch.equal(_bits(a), _bits(b)), (threads, vectorized, p.numel())
+                assert torch.equal(_bits(a), _bits(b)), (threads, vectorized, shift, p.numel())
 
 
 @needs_cc
@@ -150,8 +155,8 @@ def test_rounding_to_bf16_matches_torch_at_ties_subnormals_and_specials(kernel):
     values = torch.cat([ties.view(torch.float32), special, torch.randn(1000, generator=gen)])
     nan = torch.tensor([float("nan")] * 9)
     params = torch.cat([values, nan])
-    for vectorized in [None] + ([False] if kernel.vectorized else []):
-        out = torch.empty(params.numel(), dtype=BF16)
+    for vectorized, shift in itertools.product(range(kernel.vectorized, -1, -1), (0, 1)):
+        out = torch.empty(params.numel() + shift, dtype=BF16)[shift:]
         array = (native.Task * 1)(native.pack_task(params, out))
         kernel.run(array, native.hyper_array([]), torch.zeros(1), (2, 2), 1, None, vectorized)
         n = values.numel()
@@ -186,12 +191,21 @@ def _stepper(sizes, chunk, compute, gen, kernel, moments):
 
 
 @needs_cc
+@pytest.mark.parametrize("isa", [2, 1, 0], ids=native.ISAS)
 @pytest.mark.parametrize("moments", ["fp32", "bf16"])
 @pytest.mark.parametrize("chunk,compute", [(10**9, 10**9), (300, 64), (1, 1)])
-def test_chunked_adamw_gives_the_same_bits_with_either_kernel(chunk, compute, moments):
-    """ChunkedAdamW over one mirror, the compiled kernel and torch's ops, five steps with
-    an lr schedule, two families, padding between parameters: parameters, moments and
-    step counters equal bit for bit (bf16 moments rounded the same way)."""
+def test_chunked_adamw_gives_the_same_bits_with_either_kernel(
+    chunk, compute, moments, isa, monkeypatch
+):
+    """ChunkedAdamW over one mirror, the compiled kernel (each vector path) and torch's
+    ops, five steps with an lr schedule, two families, padding between parameters:
+    parameters, moments and step counters equal bit for bit (bf16 moments rounded the same
+    way)."""
+    loaded = native.kernel()
+    assert loaded is not None, native.describe()
+    if isa > loaded.vectorized:
+        pytest.skip(f"this CPU has no {native.ISAS[isa]} path")
+    monkeypatch.setattr(loaded, "vectorized", isa)
     dtypes = (BF16, BF16) if moments == "bf16" else (torch.float32, torch.float32)
     sizes = [700, 64, 1, 333, 17, 4096]
     runs = {}
@@ -462,3 +476,23 @@ def test_the_pool_threads_run_where_the_calling_thread_may(kernel):
     assert _settle({first}) == [{first}] * len(_pool_cpus())
     _run_pinned(kernel, None)
     assert _settle(every) == [every] * len(_pool_cpus())
+
+
+def test_the_vector_path_can_be_narrowed_and_a_bad_name_is_refused(monkeypatch):
+    monkeypatch.delenv("BUFFERS_HOST_ADAMW_ISA", raising=False)
+    assert native.isa_cap() == 2
+    for name, level in (("AVX2", 1), ("portable", 0), (" avx512 ", 2), ("", 2)):
+        monkeypatch.setenv("BUFFERS_HOST_ADAMW_ISA", name)
+        assert native.isa_cap() == level
+    monkeypatch.setenv("BUFFERS_HOST_ADAMW_ISA", "sse")
+    with pytest.raises(ValueError, match="BUFFERS_HOST_ADAMW_ISA='sse'; expected one of"):
+        native.isa_cap()
+
+
+@needs_cc
+def test_a_narrowed_kernel_runs_the_narrower_path_and_says_so(kernel, monkeypatch):
+    """The cap applies when the kernel loads; describe() names the path that runs."""
+    monkeypatch.setenv("BUFFERS_HOST_ADAMW_ISA", "avx2")
+    narrowed = native.HostAdamW(kernel.path)
+    assert narrowed.vectorized == min(kernel.vectorized, 1)
+    assert native.ISAS[kernel.build.vectorized] in native.describe()

@@ -4,6 +4,13 @@
  * back from. 28 bytes of memory traffic per element with fp32 moments (the fused-AdamW
  * floor's own), 20 with bf16 moments; no scratch, no second pass.
  *
+ * Vector paths: AVX-512 (16 lanes), AVX2 with FMA (8), portable C; the widest this CPU runs
+ * is used (BUFFERS_HOST_ADAMW_ISA narrows it). Every path does the same IEEE operations per
+ * element, so all give the same bits; a wider one only issues fewer instructions, which
+ * matters with bf16 moments, where widening and rounding are much of the work (measured in
+ * benchmarks/offload_step.py). The new parameters go into the staging with non-temporal
+ * stores where it is aligned for them.
+ *
  * Compiled on first use by megatron_ext/offload/host_kernel.py (plain C, no Python or torch
  * headers, -ffp-contract=off so every rounding is the one written here) and called through
  * ctypes, which releases the GIL for the duration of a call.
@@ -36,7 +43,11 @@
 #include <immintrin.h>
 #define ADAMW_X86 1
 #define AVX2 __attribute__((target("avx2,fma")))
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
 #endif
+
+/* the vector paths (`vectorized`): the widest this CPU has is the default */
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 enum { KIND_BF16 = 0, KIND_F32 = 2, KIND_NONE = -1 };
 
@@ -211,6 +222,27 @@ AVX2 static inline __attribute__((always_inline)) void store8(void *base, int ki
         _mm256_storeu_ps((float *)base + i, x);
 }
 
+/* The new parameters into the staging: with non-temporal stores where the staging is
+ * aligned for them (`stream`), so that its lines go to memory without first being read
+ * into the cache (2 bytes per element of a bf16 staging, ~10% of the traffic with bf16
+ * moments; the staging is read next by the device's copy, not by this CPU). Their order
+ * against other threads' reads comes from the sfence at the end of each task. */
+AVX2 static inline __attribute__((always_inline)) void store8_out(void *base, int kind, int64_t i,
+                                                                  __m256 x, int stream) {
+    if (!stream)
+        store8(base, kind, i, x);
+    else if (kind == KIND_BF16)
+        _mm_stream_si128((__m128i *)((uint16_t *)base + i), round8(x));
+    else
+        _mm256_stream_ps((float *)base + i, x);
+}
+
+/* whether a task's `out` may take the non-temporal stores (16 bytes aligned for bf16, 32 for
+ * fp32: every 8-element store then is too) */
+static inline int streams(const void *out, int kind) {
+    return out && ((uintptr_t)out & (kind == KIND_BF16 ? 15u : 31u)) == 0;
+}
+
 AVX2 static inline __attribute__((always_inline)) void run_avx2_mode(
     const adamw_task *t, const constants *k, int64_t n8, int mode, int gk, int mk, int vk) {
     const __m256 wdf = _mm256_set1_ps(k->wdf), coeff = _mm256_set1_ps(k->coeff);
@@ -218,6 +250,7 @@ AVX2 static inline __attribute__((always_inline)) void run_avx2_mode(
     const __m256 bc2s = _mm256_set1_ps(k->bc2s), eps = _mm256_set1_ps(k->eps);
     const __m256 neg_step = _mm256_set1_ps(k->neg_step);
     const int decay = k->decay, small = k->small;
+    const int stream = streams(t->out, t->out_kind);
     for (int64_t i = 0; i < n8; i += 8) {
         __m256 p = _mm256_loadu_ps(t->param + i);
         __m256 g = load8(t->grad, gk, i);
@@ -237,12 +270,13 @@ AVX2 static inline __attribute__((always_inline)) void run_avx2_mode(
         _mm256_storeu_ps(t->param + i, p);
         store8(t->exp_avg, mk, i, m);
         store8(t->exp_avg_sq, vk, i, v);
-        if (t->out) store8(t->out, t->out_kind, i, p);
+        if (t->out) store8_out(t->out, t->out_kind, i, p, stream);
     }
 }
 
 AVX2 static void pack_avx2(const float *param, void *out, int kind, int64_t n8) {
-    for (int64_t i = 0; i < n8; i += 8) store8(out, kind, i, _mm256_loadu_ps(param + i));
+    const int stream = streams(out, kind);
+    for (int64_t i = 0; i < n8; i += 8) store8_out(out, kind, i, _mm256_loadu_ps(param + i), stream);
 }
 
 /* the loop specialised per mode and dtypes, so that no choice is made per element */
@@ -270,13 +304,121 @@ AVX2 static void run_avx2(const adamw_task *t, const constants *k, const job *j,
 }
 #endif
 
+/* ---- AVX-512: the same operations per element, 16 lanes -------------------------------- */
+
+#ifdef ADAMW_X86
+AVX512 static inline __attribute__((always_inline)) __m512 load16(const void *base, int kind, int64_t i) {
+    if (kind == KIND_BF16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + i);
+}
+
+AVX512 static inline __attribute__((always_inline)) __m256i round16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r); /* every lane is <= 0xffff: narrowing keeps it */
+}
+
+AVX512 static inline __attribute__((always_inline)) void store16(void *base, int kind, int64_t i, __m512 x) {
+    if (kind == KIND_BF16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), round16(x));
+    else
+        _mm512_storeu_ps((float *)base + i, x);
+}
+
+/* as store8_out; aligned for 16 lanes: 32 bytes for bf16, 64 for fp32 */
+AVX512 static inline __attribute__((always_inline)) void store16_out(void *base, int kind, int64_t i,
+                                                                     __m512 x, int stream) {
+    if (!stream)
+        store16(base, kind, i, x);
+    else if (kind == KIND_BF16)
+        _mm256_stream_si256((__m256i *)((uint16_t *)base + i), round16(x));
+    else
+        _mm512_stream_ps((float *)base + i, x);
+}
+
+static inline int streams16(const void *out, int kind) {
+    return out && ((uintptr_t)out & (kind == KIND_BF16 ? 31u : 63u)) == 0;
+}
+
+AVX512 static inline __attribute__((always_inline)) void run_avx512_mode(
+    const adamw_task *t, const constants *k, int64_t n16, int mode, int gk, int mk, int vk) {
+    const __m512 wdf = _mm512_set1_ps(k->wdf), coeff = _mm512_set1_ps(k->coeff);
+    const __m512 b2 = _mm512_set1_ps(k->b2), c2 = _mm512_set1_ps(k->c2);
+    const __m512 bc2s = _mm512_set1_ps(k->bc2s), eps = _mm512_set1_ps(k->eps);
+    const __m512 neg_step = _mm512_set1_ps(k->neg_step);
+    const int decay = k->decay, small = k->small;
+    const int stream = streams16(t->out, t->out_kind);
+    for (int64_t i = 0; i < n16; i += 16) {
+        __m512 p = _mm512_loadu_ps(t->param + i);
+        __m512 g = load16(t->grad, gk, i);
+        __m512 m = load16(t->exp_avg, mk, i);
+        __m512 v = load16(t->exp_avg_sq, vk, i);
+        if (decay) p = _mm512_mul_ps(p, wdf);
+        m = _mm512_fmadd_ps(coeff, _mm512_sub_ps(g, m), small ? m : g);
+        __m512 cg = _mm512_mul_ps(c2, g);
+        if (mode == 1)
+            v = _mm512_fmadd_ps(cg, g, _mm512_mul_ps(v, b2));
+        else if (mode == 2)
+            v = _mm512_fmadd_ps(v, b2, _mm512_mul_ps(cg, g));
+        else
+            v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(cg, g));
+        __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2s), eps);
+        p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step, m), denom));
+        _mm512_storeu_ps(t->param + i, p);
+        store16(t->exp_avg, mk, i, m);
+        store16(t->exp_avg_sq, vk, i, v);
+        if (t->out) store16_out(t->out, t->out_kind, i, p, stream);
+    }
+}
+
+#define ADAMW_KINDS16(mode)                                                               \
+    do {                                                                                  \
+        if (gk == KIND_BF16 && mk == KIND_F32 && vk == KIND_F32)                          \
+            run_avx512_mode(t, k, n16, mode, KIND_BF16, KIND_F32, KIND_F32);              \
+        else if (gk == KIND_F32 && mk == KIND_F32 && vk == KIND_F32)                      \
+            run_avx512_mode(t, k, n16, mode, KIND_F32, KIND_F32, KIND_F32);               \
+        else if (gk == KIND_BF16 && mk == KIND_BF16 && vk == KIND_BF16)                   \
+            run_avx512_mode(t, k, n16, mode, KIND_BF16, KIND_BF16, KIND_BF16);            \
+        else if (gk == KIND_F32 && mk == KIND_BF16 && vk == KIND_BF16)                    \
+            run_avx512_mode(t, k, n16, mode, KIND_F32, KIND_BF16, KIND_BF16);             \
+        else                                                                              \
+            run_avx512_mode(t, k, n16, mode, gk, mk, vk);                                 \
+    } while (0)
+
+AVX512 static void run_avx512(const adamw_task *t, const constants *k, const job *j, int64_t n16) {
+    int gk = t->grad_kind, mk = j->m_kind, vk = j->v_kind;
+    switch (j->variant & V_VEC_MASK) {
+    case 1: ADAMW_KINDS16(1); break;
+    case 2: ADAMW_KINDS16(2); break;
+    default: ADAMW_KINDS16(0); break;
+    }
+}
+
+AVX512 static void pack_avx512(const float *param, void *out, int kind, int64_t n16) {
+    const int stream = streams16(out, kind);
+    for (int64_t i = 0; i < n16; i += 16) store16_out(out, kind, i, _mm512_loadu_ps(param + i), stream);
+}
+#endif
+
 /* a gap between parameters: its host values rounded into the staging, nothing updated */
 static void pack_only(const adamw_task *t, int vectorized) {
     int64_t i = 0;
 #ifdef ADAMW_X86
-    if (vectorized) {
-        pack_avx2(t->param, t->out, t->out_kind, t->n - t->n % 8);
-        i = t->n - t->n % 8;
+    if (vectorized >= ISA_AVX512) {
+        i = t->n - t->n % 16;
+        pack_avx512(t->param, t->out, t->out_kind, i);
+    }
+    if (vectorized >= ISA_AVX2) {
+        int64_t n8 = (t->n - i) - (t->n - i) % 8;
+        pack_avx2(t->param + i, t->out ? (char *)t->out + i * (t->out_kind == KIND_BF16 ? 2 : 4) : NULL,
+                  t->out_kind, n8);
+        i += n8;
     }
 #endif
     (void)vectorized;
@@ -287,19 +429,36 @@ static void run_task(const job *j, int64_t index) {
     const adamw_task *t = &j->tasks[index];
     if (t->family < 0) {
         if (t->out) pack_only(t, j->vectorized);
+#ifdef ADAMW_X86
+        if (j->vectorized) _mm_sfence();
+#endif
         return;
     }
     constants k = make_constants(j->hyper + 5 * t->family, j->steps[t->entry]);
     int64_t vec_n = t->vec_n < t->n ? t->vec_n : t->n;
     int64_t done = 0;
 #ifdef ADAMW_X86
-    if (j->vectorized) {
-        done = vec_n - vec_n % 8;
-        run_avx2(t, &k, j, done);
+    if (j->vectorized >= ISA_AVX512) {
+        done = vec_n - vec_n % 16;
+        run_avx512(t, &k, j, done);
+    }
+    if (j->vectorized >= ISA_AVX2 && vec_n - done >= 8) {
+        adamw_task rest = *t; /* the last 8 of the vector body: a task 16 lanes could not take */
+        rest.param += done;
+        rest.grad = (const char *)t->grad + done * (t->grad_kind == KIND_BF16 ? 2 : 4);
+        rest.exp_avg = (char *)t->exp_avg + done * (j->m_kind == KIND_BF16 ? 2 : 4);
+        rest.exp_avg_sq = (char *)t->exp_avg_sq + done * (j->v_kind == KIND_BF16 ? 2 : 4);
+        if (t->out) rest.out = (char *)t->out + done * (t->out_kind == KIND_BF16 ? 2 : 4);
+        int64_t n8 = (vec_n - done) - (vec_n - done) % 8;
+        run_avx2(&rest, &k, j, n8);
+        done += n8;
     }
 #endif
     run_portable(t, &k, j, done, vec_n, 0);
     run_portable(t, &k, j, vec_n, t->n, 1);
+#ifdef ADAMW_X86
+    if (j->vectorized) _mm_sfence(); /* the non-temporal stores before the task counts as done */
+#endif
 }
 
 /* ---- the thread pool ------------------------------------------------------------------ */
@@ -439,13 +598,15 @@ void adamw_host_step(const adamw_task *tasks, int64_t ntasks, const double *hype
     }
 }
 
-/* 1 when the AVX2 + FMA path runs on this CPU */
+/* the widest vector path this CPU runs: ISA_AVX512 (AVX-512F with AVX2 and FMA), ISA_AVX2
+ * (AVX2 and FMA) or ISA_PORTABLE */
 int adamw_host_vectorized(void) {
 #ifdef ADAMW_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return ISA_PORTABLE;
+    return __builtin_cpu_supports("avx512f") ? ISA_AVX512 : ISA_AVX2;
 #else
-    return 0;
+    return ISA_PORTABLE;
 #endif
 }
 

@@ -4,7 +4,9 @@
 a conversion of the bf16 gradients into an fp32 scratch, torch's fused AdamW call and a
 rounding of the new parameters into the staging: three passes, about 40 bytes of memory
 traffic per element where the fused-AdamW floor moves 28. ``host_adamw.c`` does all three
-per element in one pass (28 bytes; 20 with bf16 moments), with torch's arithmetic.
+per element in one pass (28 bytes; 20 with bf16 moments), with torch's arithmetic, on the
+widest vector path the CPU has (AVX-512, AVX2 or portable C: the same bits on each;
+``BUFFERS_HOST_ADAMW_ISA=avx2`` or ``portable`` narrows it, for comparing them).
 
 Equal bit for bit to the torch path, or not used: torch's kernel is C++ compiled by
 whoever built torch, and two of its roundings (whether ``v * beta2 + c2 * g * g`` became a
@@ -25,6 +27,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import itertools
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +50,24 @@ VARIANTS = tuple(
 )
 # elements per task handed to a thread; a multiple of the step's cut quantum
 TASK_NUMEL = 1 << 16
+
+
+# the kernel's vector paths, by the level host_adamw.c's adamw_host_vectorized reports: the
+# widest this CPU runs is used, unless BUFFERS_HOST_ADAMW_ISA names a narrower one
+ISAS = ("portable", "AVX2", "AVX-512")
+
+
+def isa_cap() -> int:
+    """The widest vector path ``BUFFERS_HOST_ADAMW_ISA`` allows (``avx512``, the default:
+    any; ``avx2``; ``portable``): the same bits on each, for comparing their speed."""
+    value = os.environ.get("BUFFERS_HOST_ADAMW_ISA", "avx512").strip().lower() or "avx512"
+    names = {"portable": 0, "avx2": 1, "avx512": 2}
+    if value not in names:
+        raise ValueError(
+            f"BUFFERS_HOST_ADAMW_ISA={value!r}; expected one of {', '.join(names)} (the "
+            "widest vector path the offloaded step's kernel may use)"
+        )
+    return names[value]
 
 
 class HostAdamWWarning(UserWarning):
@@ -75,11 +96,11 @@ class Task(ctypes.Structure):
 @dataclass(frozen=True)
 class Build:
     """How torch's kernel computes in this process: the variant and vector width that
-    matched it, and whether the AVX2 path runs."""
+    matched it, and the kernel's vector path (:data:`ISAS`: 0 portable, 1 AVX2, 2 AVX-512)."""
 
     variant: int
     width: int
-    vectorized: bool
+    vectorized: int
 
 
 class HostAdamW:
@@ -103,7 +124,7 @@ class HostAdamW:
             ctypes.c_int,
             ctypes.c_int,
         ]
-        self.vectorized = bool(lib.adamw_host_vectorized())
+        self.vectorized = min(int(lib.adamw_host_vectorized()), isa_cap())
         self.build: Build | None = None  # set by the probe
 
     def run(
@@ -114,7 +135,7 @@ class HostAdamW:
         moment_kinds: tuple[int, int],
         threads: int,
         variant: int | None = None,
-        vectorized: bool | None = None,
+        vectorized: int | None = None,
     ) -> None:
         """Update every task (a ``Task`` array); ``hyper``: a ``c_double`` array, 5 per
         family (lr, beta1, beta2, weight_decay, eps); ``steps``: fp32, the step count each
@@ -236,7 +257,7 @@ def hyper_array(hypers) -> ctypes.Array:
     return (ctypes.c_double * max(1, len(flat)))(*flat)
 
 
-def probe(kernel: HostAdamW, vectorized: bool | None = None) -> Build | None:
+def probe(kernel: HostAdamW, vectorized: int | None = None) -> Build | None:
     """The (variant, width) that reproduces ``torch._fused_adamw_`` bit for bit on random
     data here, or None."""
     gen = torch.Generator().manual_seed(20261205)
@@ -325,6 +346,6 @@ def describe() -> str:
     if b is None:
         return f"torch's ops (the kernel's probe matched no build): {k.path}"
     return (
-        f"compiled kernel ({'AVX2' if b.vectorized else 'portable'}, variant {b.variant}, "
+        f"compiled kernel ({ISAS[int(b.vectorized)]}, variant {b.variant}, "
         f"width {b.width}): {k.path}"
     )
