@@ -61,7 +61,15 @@ def _torch_step(case, hyper, steps):
 
 
 def _kernel_step(
-    k, case, hyper, steps, threads=1, vectorized=None, task_numel=native.TASK_NUMEL, shift=0
+    k,
+    case,
+    hyper,
+    steps,
+    threads=1,
+    vectorized=None,
+    task_numel=native.TASK_NUMEL,
+    shift=0,
+    stream=None,
 ):
     """The kernel over the same parameters (one task list, every parameter an entry), its
     new parameters also rounded to bf16 into ``out``; ``shift``: ``out`` that many elements
@@ -82,6 +90,7 @@ def _kernel_step(
         (2, 2),
         threads,
         vectorized=vectorized,
+        stream=stream,
     )
     return got
 
@@ -106,13 +115,20 @@ def test_the_kernel_equals_torchs_fused_adamw_bit_for_bit(kernel, hyper, grad_dt
     steps = [1, 2, 5, 10, 100, 1000, 3, 4, 7, 20, 9, 11, 13, 30]
     want = _torch_step(case, HYPERS[hyper], steps)
     # every vector path this CPU runs (AVX-512, AVX2, portable: the widest by default), the
-    # packed parameters' staging aligned (non-temporal stores) and not
+    # packed parameters' staging aligned (AVX-512: non-temporal stores) and not, those
+    # stores asked for and not
     paths = range(kernel.vectorized, -1, -1)
-    for threads, vectorized, shift in itertools.product((1, 3), paths, (0, 1)):
-        got = _kernel_step(kernel, case, HYPERS[hyper], steps, threads, vectorized, 256, shift)
+    for threads, vectorized, shift, stream in itertools.product(
+        (1, 3), paths, (0, 1), (True, False)
+    ):
+        got = _kernel_step(
+            kernel, case, HYPERS[hyper], steps, threads, vectorized, 256, shift, stream
+        )
         for (p, m, v, out), (wp, wm, wv) in zip(got, want, strict=True):
             for a, b in ((p, wp), (m, wm), (v, wv), (out, wp.to(BF16))):
-                assert torch.equal(_bits(a), _bits(b)), (threads, vectorized, shift, p.numel())
+                assert torch.equal(_bits(a), _bits(b)), (
+                    threads, vectorized, shift, stream, p.numel()
+                )  # fmt: skip
 
 
 @needs_cc
@@ -155,10 +171,13 @@ def test_rounding_to_bf16_matches_torch_at_ties_subnormals_and_specials(kernel):
     values = torch.cat([ties.view(torch.float32), special, torch.randn(1000, generator=gen)])
     nan = torch.tensor([float("nan")] * 9)
     params = torch.cat([values, nan])
-    for vectorized, shift in itertools.product(range(kernel.vectorized, -1, -1), (0, 1)):
+    levels = range(kernel.vectorized, -1, -1)
+    for vectorized, shift, stream in itertools.product(levels, (0, 1), (True, False)):
         out = torch.empty(params.numel() + shift, dtype=BF16)[shift:]
         array = (native.Task * 1)(native.pack_task(params, out))
-        kernel.run(array, native.hyper_array([]), torch.zeros(1), (2, 2), 1, None, vectorized)
+        kernel.run(
+            array, native.hyper_array([]), torch.zeros(1), (2, 2), 1, None, vectorized, stream
+        )
         n = values.numel()
         assert torch.equal(_bits(out[:n]), _bits(values.to(BF16)))
         assert torch.isnan(out[n:]).all()
@@ -487,12 +506,21 @@ def test_the_vector_path_can_be_narrowed_and_a_bad_name_is_refused(monkeypatch):
     monkeypatch.setenv("BUFFERS_HOST_ADAMW_ISA", "sse")
     with pytest.raises(ValueError, match="BUFFERS_HOST_ADAMW_ISA='sse'; expected one of"):
         native.isa_cap()
+    monkeypatch.delenv("BUFFERS_HOST_ADAMW_STREAM", raising=False)
+    assert native.streaming() is True
+    for value, want in (("0", False), ("1", True), (" ", True)):
+        monkeypatch.setenv("BUFFERS_HOST_ADAMW_STREAM", value)
+        assert native.streaming() is want
+    monkeypatch.setenv("BUFFERS_HOST_ADAMW_STREAM", "yes")
+    with pytest.raises(ValueError, match="BUFFERS_HOST_ADAMW_STREAM='yes'; expected 1"):
+        native.streaming()
 
 
 @needs_cc
 def test_a_narrowed_kernel_runs_the_narrower_path_and_says_so(kernel, monkeypatch):
     """The cap applies when the kernel loads; describe() names the path that runs."""
     monkeypatch.setenv("BUFFERS_HOST_ADAMW_ISA", "avx2")
+    monkeypatch.setenv("BUFFERS_HOST_ADAMW_STREAM", "0")
     narrowed = native.HostAdamW(kernel.path)
-    assert narrowed.vectorized == min(kernel.vectorized, 1)
+    assert narrowed.vectorized == min(kernel.vectorized, 1) and narrowed.stream is False
     assert native.ISAS[kernel.build.vectorized] in native.describe()

@@ -9,7 +9,7 @@
  * element, so all give the same bits; a wider one only issues fewer instructions, which
  * matters with bf16 moments, where widening and rounding are much of the work (measured in
  * benchmarks/offload_step.py). The new parameters go into the staging with non-temporal
- * stores where it is aligned for them.
+ * stores on the AVX-512 path where it is aligned for them.
  *
  * Compiled on first use by megatron_ext/offload/host_kernel.py (plain C, no Python or torch
  * headers, -ffp-contract=off so every rounding is the one written here) and called through
@@ -84,7 +84,7 @@ typedef struct {
     int64_t ntasks;
     const double *hyper;
     const float *steps;
-    int m_kind, v_kind, variant, vectorized;
+    int m_kind, v_kind, variant, vectorized, stream;
     atomic_int_fast64_t next;
     atomic_int_fast64_t done;
 } job;
@@ -222,27 +222,6 @@ AVX2 static inline __attribute__((always_inline)) void store8(void *base, int ki
         _mm256_storeu_ps((float *)base + i, x);
 }
 
-/* The new parameters into the staging: with non-temporal stores where the staging is
- * aligned for them (`stream`), so that its lines go to memory without first being read
- * into the cache (2 bytes per element of a bf16 staging, ~10% of the traffic with bf16
- * moments; the staging is read next by the device's copy, not by this CPU). Their order
- * against other threads' reads comes from the sfence at the end of each task. */
-AVX2 static inline __attribute__((always_inline)) void store8_out(void *base, int kind, int64_t i,
-                                                                  __m256 x, int stream) {
-    if (!stream)
-        store8(base, kind, i, x);
-    else if (kind == KIND_BF16)
-        _mm_stream_si128((__m128i *)((uint16_t *)base + i), round8(x));
-    else
-        _mm256_stream_ps((float *)base + i, x);
-}
-
-/* whether a task's `out` may take the non-temporal stores (16 bytes aligned for bf16, 32 for
- * fp32: every 8-element store then is too) */
-static inline int streams(const void *out, int kind) {
-    return out && ((uintptr_t)out & (kind == KIND_BF16 ? 15u : 31u)) == 0;
-}
-
 AVX2 static inline __attribute__((always_inline)) void run_avx2_mode(
     const adamw_task *t, const constants *k, int64_t n8, int mode, int gk, int mk, int vk) {
     const __m256 wdf = _mm256_set1_ps(k->wdf), coeff = _mm256_set1_ps(k->coeff);
@@ -250,7 +229,6 @@ AVX2 static inline __attribute__((always_inline)) void run_avx2_mode(
     const __m256 bc2s = _mm256_set1_ps(k->bc2s), eps = _mm256_set1_ps(k->eps);
     const __m256 neg_step = _mm256_set1_ps(k->neg_step);
     const int decay = k->decay, small = k->small;
-    const int stream = streams(t->out, t->out_kind);
     for (int64_t i = 0; i < n8; i += 8) {
         __m256 p = _mm256_loadu_ps(t->param + i);
         __m256 g = load8(t->grad, gk, i);
@@ -270,13 +248,12 @@ AVX2 static inline __attribute__((always_inline)) void run_avx2_mode(
         _mm256_storeu_ps(t->param + i, p);
         store8(t->exp_avg, mk, i, m);
         store8(t->exp_avg_sq, vk, i, v);
-        if (t->out) store8_out(t->out, t->out_kind, i, p, stream);
+        if (t->out) store8(t->out, t->out_kind, i, p);
     }
 }
 
 AVX2 static void pack_avx2(const float *param, void *out, int kind, int64_t n8) {
-    const int stream = streams(out, kind);
-    for (int64_t i = 0; i < n8; i += 8) store8_out(out, kind, i, _mm256_loadu_ps(param + i), stream);
+    for (int64_t i = 0; i < n8; i += 8) store8(out, kind, i, _mm256_loadu_ps(param + i));
 }
 
 /* the loop specialised per mode and dtypes, so that no choice is made per element */
@@ -331,7 +308,13 @@ AVX512 static inline __attribute__((always_inline)) void store16(void *base, int
         _mm512_storeu_ps((float *)base + i, x);
 }
 
-/* as store8_out; aligned for 16 lanes: 32 bytes for bf16, 64 for fp32 */
+/* The new parameters into the staging, with non-temporal stores where the caller asks for
+ * them (`stream`, the default) and the staging is aligned for them (streams16): its lines go
+ * to memory without first being read into the cache (2 bytes per element of a bf16
+ * staging; the device's copy reads it next, not this CPU). Their order against other
+ * threads' reads comes from the sfence at the end of each task. Not in the AVX2 path: its
+ * 16-byte non-temporal stores of a bf16 staging measured slower (benchmarks/offload_step.py,
+ * docs/RESULTS.md). */
 AVX512 static inline __attribute__((always_inline)) void store16_out(void *base, int kind, int64_t i,
                                                                      __m512 x, int stream) {
     if (!stream)
@@ -342,18 +325,20 @@ AVX512 static inline __attribute__((always_inline)) void store16_out(void *base,
         _mm512_stream_ps((float *)base + i, x);
 }
 
-static inline int streams16(const void *out, int kind) {
-    return out && ((uintptr_t)out & (kind == KIND_BF16 ? 31u : 63u)) == 0;
+/* whether `out` takes the non-temporal stores: asked for, and 32 bytes aligned for bf16, 64
+ * for fp32 (every 16-element store then is too) */
+static inline int streams16(int stream, const void *out, int kind) {
+    return stream && out && ((uintptr_t)out & (kind == KIND_BF16 ? 31u : 63u)) == 0;
 }
 
 AVX512 static inline __attribute__((always_inline)) void run_avx512_mode(
-    const adamw_task *t, const constants *k, int64_t n16, int mode, int gk, int mk, int vk) {
+    const adamw_task *t, const constants *k, int64_t n16, int mode, int gk, int mk, int vk,
+    int stream) {
     const __m512 wdf = _mm512_set1_ps(k->wdf), coeff = _mm512_set1_ps(k->coeff);
     const __m512 b2 = _mm512_set1_ps(k->b2), c2 = _mm512_set1_ps(k->c2);
     const __m512 bc2s = _mm512_set1_ps(k->bc2s), eps = _mm512_set1_ps(k->eps);
     const __m512 neg_step = _mm512_set1_ps(k->neg_step);
     const int decay = k->decay, small = k->small;
-    const int stream = streams16(t->out, t->out_kind);
     for (int64_t i = 0; i < n16; i += 16) {
         __m512 p = _mm512_loadu_ps(t->param + i);
         __m512 g = load16(t->grad, gk, i);
@@ -380,19 +365,20 @@ AVX512 static inline __attribute__((always_inline)) void run_avx512_mode(
 #define ADAMW_KINDS16(mode)                                                               \
     do {                                                                                  \
         if (gk == KIND_BF16 && mk == KIND_F32 && vk == KIND_F32)                          \
-            run_avx512_mode(t, k, n16, mode, KIND_BF16, KIND_F32, KIND_F32);              \
+            run_avx512_mode(t, k, n16, mode, KIND_BF16, KIND_F32, KIND_F32, stream);      \
         else if (gk == KIND_F32 && mk == KIND_F32 && vk == KIND_F32)                      \
-            run_avx512_mode(t, k, n16, mode, KIND_F32, KIND_F32, KIND_F32);               \
+            run_avx512_mode(t, k, n16, mode, KIND_F32, KIND_F32, KIND_F32, stream);       \
         else if (gk == KIND_BF16 && mk == KIND_BF16 && vk == KIND_BF16)                   \
-            run_avx512_mode(t, k, n16, mode, KIND_BF16, KIND_BF16, KIND_BF16);            \
+            run_avx512_mode(t, k, n16, mode, KIND_BF16, KIND_BF16, KIND_BF16, stream);    \
         else if (gk == KIND_F32 && mk == KIND_BF16 && vk == KIND_BF16)                    \
-            run_avx512_mode(t, k, n16, mode, KIND_F32, KIND_BF16, KIND_BF16);             \
+            run_avx512_mode(t, k, n16, mode, KIND_F32, KIND_BF16, KIND_BF16, stream);     \
         else                                                                              \
-            run_avx512_mode(t, k, n16, mode, gk, mk, vk);                                 \
+            run_avx512_mode(t, k, n16, mode, gk, mk, vk, stream);                         \
     } while (0)
 
 AVX512 static void run_avx512(const adamw_task *t, const constants *k, const job *j, int64_t n16) {
     int gk = t->grad_kind, mk = j->m_kind, vk = j->v_kind;
+    int stream = streams16(j->stream, t->out, t->out_kind);
     switch (j->variant & V_VEC_MASK) {
     case 1: ADAMW_KINDS16(1); break;
     case 2: ADAMW_KINDS16(2); break;
@@ -400,19 +386,19 @@ AVX512 static void run_avx512(const adamw_task *t, const constants *k, const job
     }
 }
 
-AVX512 static void pack_avx512(const float *param, void *out, int kind, int64_t n16) {
-    const int stream = streams16(out, kind);
+AVX512 static void pack_avx512(const float *param, void *out, int kind, int64_t n16, int stream) {
+    stream = streams16(stream, out, kind);
     for (int64_t i = 0; i < n16; i += 16) store16_out(out, kind, i, _mm512_loadu_ps(param + i), stream);
 }
 #endif
 
 /* a gap between parameters: its host values rounded into the staging, nothing updated */
-static void pack_only(const adamw_task *t, int vectorized) {
+static void pack_only(const adamw_task *t, int vectorized, int stream) {
     int64_t i = 0;
 #ifdef ADAMW_X86
     if (vectorized >= ISA_AVX512) {
         i = t->n - t->n % 16;
-        pack_avx512(t->param, t->out, t->out_kind, i);
+        pack_avx512(t->param, t->out, t->out_kind, i, stream);
     }
     if (vectorized >= ISA_AVX2) {
         int64_t n8 = (t->n - i) - (t->n - i) % 8;
@@ -422,15 +408,16 @@ static void pack_only(const adamw_task *t, int vectorized) {
     }
 #endif
     (void)vectorized;
+    (void)stream;
     for (; i < t->n; i++) store(t->out, t->out_kind, i, t->param[i]);
 }
 
 static void run_task(const job *j, int64_t index) {
     const adamw_task *t = &j->tasks[index];
     if (t->family < 0) {
-        if (t->out) pack_only(t, j->vectorized);
+        if (t->out) pack_only(t, j->vectorized, j->stream);
 #ifdef ADAMW_X86
-        if (j->vectorized) _mm_sfence();
+        if (j->vectorized >= ISA_AVX512) _mm_sfence();
 #endif
         return;
     }
@@ -457,7 +444,7 @@ static void run_task(const job *j, int64_t index) {
     run_portable(t, &k, j, done, vec_n, 0);
     run_portable(t, &k, j, vec_n, t->n, 1);
 #ifdef ADAMW_X86
-    if (j->vectorized) _mm_sfence(); /* the non-temporal stores before the task counts as done */
+    if (j->vectorized >= ISA_AVX512) _mm_sfence(); /* non-temporal stores, before "done" */
 #endif
 }
 
@@ -557,7 +544,7 @@ static inline void relax(long spins) {
  * after this update, as torch reads it). moment kinds: KIND_F32 or KIND_BF16. */
 void adamw_host_step(const adamw_task *tasks, int64_t ntasks, const double *hyper,
                      const float *steps, int m_kind, int v_kind, int variant, int vectorized,
-                     int threads) {
+                     int threads, int stream) {
     job j;
     j.tasks = tasks;
     j.ntasks = ntasks;
@@ -567,6 +554,7 @@ void adamw_host_step(const adamw_task *tasks, int64_t ntasks, const double *hype
     j.v_kind = v_kind;
     j.variant = variant;
     j.vectorized = vectorized;
+    j.stream = stream;
     atomic_init(&j.next, 0);
     atomic_init(&j.done, 0);
     int helpers = threads - 1;

@@ -70,6 +70,19 @@ def isa_cap() -> int:
     return names[value]
 
 
+def streaming() -> bool:
+    """Whether the AVX-512 path writes the packed parameters with non-temporal stores:
+    ``BUFFERS_HOST_ADAMW_STREAM`` ``1`` (the default) or ``0`` (plain stores; the same bits,
+    for comparing their speed)."""
+    value = os.environ.get("BUFFERS_HOST_ADAMW_STREAM", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"BUFFERS_HOST_ADAMW_STREAM={value!r}; expected 1 (non-temporal stores of the "
+            "packed parameters on the AVX-512 path) or 0 (plain stores)"
+        )
+    return value == "1"
+
+
 class HostAdamWWarning(UserWarning):
     """The offloaded step's compiled kernel is not used (torch's ops run instead)."""
 
@@ -123,8 +136,10 @@ class HostAdamW:
             ctypes.c_int,
             ctypes.c_int,
             ctypes.c_int,
+            ctypes.c_int,
         ]
         self.vectorized = min(int(lib.adamw_host_vectorized()), isa_cap())
+        self.stream = streaming()
         self.build: Build | None = None  # set by the probe
 
     def run(
@@ -136,6 +151,7 @@ class HostAdamW:
         threads: int,
         variant: int | None = None,
         vectorized: int | None = None,
+        stream: bool | None = None,
     ) -> None:
         """Update every task (a ``Task`` array); ``hyper``: a ``c_double`` array, 5 per
         family (lr, beta1, beta2, weight_decay, eps); ``steps``: fp32, the step count each
@@ -154,6 +170,7 @@ class HostAdamW:
             variant,
             int(self.vectorized if vectorized is None else vectorized),
             max(1, int(threads)),
+            int(self.stream if stream is None else stream),
         )
 
 
