@@ -478,7 +478,8 @@ def parse_args(argv: list[str] | None):
     )  # fmt: skip
     ap.add_argument(
         "--no-pinned", dest="pinned", action="store_false",
-        help="leave out the delayed worker pinned off the launching thread's core",
+        help="leave out the delayed worker pinned off the launching thread's core (default: "
+        "measured, at the first fraction)",
     )  # fmt: skip
     ap.add_argument(
         "--loss-curves", nargs="+", choices=CURVES, default=list(CURVES),

@@ -154,15 +154,16 @@ def test_fp32_shards_become_leaves_during_construction_only():
 
 
 @pytest.mark.parametrize(
-    "host_mirrors,step,convert",
+    "host_mirrors,step,convert,delayed",
     [
-        (True, "per_parameter", "host"),
-        (True, "chunked", "host"),
-        (True, "chunked", "device"),
-        (False, "per_parameter", "host"),
+        (True, "per_parameter", "host", False),
+        (True, "chunked", "host", False),
+        (True, "chunked", "device", False),
+        (True, "chunked", "host", True),
+        (False, "per_parameter", "host", False),
     ],
 )
-def test_options_reach_every_child(monkeypatch, host_mirrors, step, convert):
+def test_options_reach_every_child(monkeypatch, host_mirrors, step, convert, delayed):
     from megatron_ext import MegatronOptions, offload
 
     attached = []
@@ -175,6 +176,9 @@ def test_options_reach_every_child(monkeypatch, host_mirrors, step, convert):
         offload_step=step,
         offload_chunk_numel=99,
         offload_convert=convert,
+        offload_delayed_update=delayed,
+        offload_delay_warmup=3 if delayed else 10,
+        offload_pin_threads=delayed,
     )
     enable_flat_norm(child, [Chunk(named, bufs)], options=options)
     want = dict(
@@ -182,9 +186,10 @@ def test_options_reach_every_child(monkeypatch, host_mirrors, step, convert):
         chunk_numel=99,
         threads=None,
         convert_on_device=convert == "device",
-        delayed_update=False,
-        delay_warmup=10,
+        delayed_update=delayed,
+        delay_warmup=3 if delayed else 10,
         sharing=1,  # no child of this one-child chain offloads: the cores are not divided
+        pin_threads=delayed,
     )
     assert attached == ([(child, want)] if host_mirrors else [])
     assert child._flat.norm_clip.options is options
