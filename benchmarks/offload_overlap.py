@@ -620,7 +620,7 @@ def _plot(result: dict, args, title: str) -> None:
     panels = int(timed) + max(len(tasks), 1)
     fig, axes = new_figure(panels, width=6 * panels)
     if timed:
-        _plot_kept(axes[0], [r for r in result["rows"] if "kept" in r], args)
+        _plot_kept(axes[0], result["rows"], args)
     for bx, task in zip(axes[int(timed) :], tasks or [None], strict=True):
         if task is None:
             empty_panel(bx, "no loss curves (--loss-steps 0)")
@@ -643,17 +643,25 @@ def _plot(result: dict, args, title: str) -> None:
     save_figure(fig, args.out, NAME, title)
 
 
-def _plot_kept(ax, ok: list[dict], args) -> None:
-    """Throughput kept against micro-batches per step, a line per configuration."""
+def _plot_kept(ax, rows: list[dict], args) -> None:
+    """Throughput kept against micro-batches per step, a line per configuration; the step
+    times where no GPU-resident row ran (nothing to keep against: e.g. the precision-aware
+    optimizer without transformer-engine's FusedAdam)."""
+    key = "kept" if any("kept" in r for r in rows) else "step_ms"
+    ok = [r for r in rows if key in r]
     if not ok:
         empty_panel(ax, "no configuration ran")
         return
     for label in dict.fromkeys(r["config"] for r in ok):
-        pts = [(r["micro_batches"], r["kept"]) for r in ok if r["config"] == label]
+        pts = [(r["micro_batches"], r[key]) for r in ok if r["config"] == label]
         ax.plot(*zip(*pts, strict=True), marker="o", label=label)
     ax.set_xlabel("micro-batches per step")
-    ax.set_ylabel("throughput kept vs GPU-resident")
-    ax.set_title(f"GPTModel {args.layers}x{args.hidden}, one GPU")
+    if key == "kept":
+        ax.set_ylabel("throughput kept vs GPU-resident")
+    else:
+        ax.set_ylabel("step ms (median)")
+    title = f"GPTModel {args.layers}x{args.hidden}, one GPU"
+    ax.set_title(title if key == "kept" else f"{title}: no GPU-resident row, step times")
     ax.legend(fontsize=7)
 
 

@@ -106,6 +106,35 @@ def test_the_plot_shows_kept_and_the_loss_curves(tmp_path):
     assert drawn == [2, 2, 2]  # two tasks; kept and the empty loss panel; both empty
 
 
+def test_without_a_gpu_resident_row_the_plot_shows_the_step_times(tmp_path):
+    """No row to keep against (the GPU-resident configuration failed): the panel plots what
+    ran, step times, and says why; rows that failed are left out."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    args = offload_overlap.parse_args(["--out", str(tmp_path), "--device", "cpu"])
+    rows = [
+        {"config": "gpu_resident", "micro_batches": 1, "error": "RuntimeError: no FusedAdam"},
+        {"config": "exact_offload_1.0", "micro_batches": 1, "step_ms": 120.0},
+        {"config": "exact_offload_1.0", "micro_batches": 8, "step_ms": 300.0},
+        {"config": "delayed_offload_1.0", "micro_batches": 1, "step_ms": 94.0},
+    ]
+    offload_overlap.add_kept(rows)
+    fig, ax = plt.subplots()
+    offload_overlap._plot_kept(ax, rows, args)
+    lines = {line.get_label(): line.get_xydata().tolist() for line in ax.get_lines()}
+    assert lines == {
+        "exact_offload_1.0": [[1.0, 120.0], [8.0, 300.0]],
+        "delayed_offload_1.0": [[1.0, 94.0]],
+    }
+    assert ax.get_ylabel() == "step ms (median)" and "no GPU-resident row" in ax.get_title()
+    plt.close(fig)
+    fig, ax = plt.subplots()
+    offload_overlap._plot_kept(ax, rows[:1], args)  # nothing ran
+    assert not ax.get_lines() and "no configuration ran" in [t.get_text() for t in ax.texts]
+    plt.close(fig)
+
+
 def test_landed_updates_are_read_once_per_offloading_optimizer():
     from megatron_ext.offload.chunked import LandedUpdate
 
