@@ -85,18 +85,13 @@ def configs(
     """(label, OptimizerConfig overrides, MegatronOptions fields or None for stock);
     ``thread_variants``: the delayed worker's thread counts to measure at the first fraction
     (None: every usable core); ``pinned``: also the default worker pinned there."""
+    delayed = dict(offload_step="chunked", offload_delayed_update=True, offload_delay_warmup=1)
     out: list[tuple[str, dict, dict | None]] = [("gpu_resident", PA, {})]
     for f in fractions:
         offload = PA | dict(optimizer_cpu_offload=True, optimizer_offload_fraction=f)
         out.append((f"stock_offload_{f}", offload, None))
         out.append((f"exact_offload_{f}", offload, dict(offload_step="chunked")))
-        out.append(
-            (
-                f"delayed_offload_{f}",
-                offload,
-                dict(offload_step="chunked", offload_delayed_update=True, offload_delay_warmup=1),
-            )
-        )
+        out.append((f"delayed_offload_{f}", offload, dict(delayed)))
     if fractions:  # other worker sizes; every core: none left to the launching thread
         from megatron_ext.offload.threads import usable_cores
 
@@ -104,29 +99,11 @@ def configs(
         offload = PA | dict(optimizer_cpu_offload=True, optimizer_offload_fraction=f)
         for n in [usable_cores()] if thread_variants is None else thread_variants:
             out.append(
-                (
-                    f"delayed_offload_{f}_threads_{n}",
-                    offload,
-                    dict(
-                        offload_step="chunked",
-                        offload_delayed_update=True,
-                        offload_delay_warmup=1,
-                        offload_threads=n,
-                    ),
-                )
+                (f"delayed_offload_{f}_threads_{n}", offload, delayed | {"offload_threads": n})
             )
         if pinned:
             out.append(
-                (
-                    f"delayed_offload_{f}_pinned",
-                    offload,
-                    dict(
-                        offload_step="chunked",
-                        offload_delayed_update=True,
-                        offload_delay_warmup=1,
-                        offload_pin_threads=True,
-                    ),
-                )
+                (f"delayed_offload_{f}_pinned", offload, delayed | {"offload_pin_threads": True})
             )
     return out
 

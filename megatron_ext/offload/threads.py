@@ -32,18 +32,22 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def cores_per_rank() -> int:
-    """The cores this rank's host update may use: :func:`usable_cores`, shared with the other
-    ranks on this host (``LOCAL_WORLD_SIZE``, which ``torchrun`` sets) unless the launcher
-    already gave each rank cores of its own (an affinity narrower than every CPU)."""
-    cores = usable_cores()
+def _sharing_ranks(cores: int) -> int:
+    """How many ranks share this process's ``cores`` usable CPUs: ``LOCAL_WORLD_SIZE``
+    (which ``torchrun`` sets), unless the launcher already gave each rank cores of its own
+    (an affinity narrower than every CPU), or it is not a number: then 1."""
     try:
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
-        ranks = 1
-    if ranks > 1 and cores >= (os.cpu_count() or cores):
-        cores = max(1, cores // ranks)
-    return cores
+        return 1
+    return ranks if cores >= (os.cpu_count() or cores) else 1
+
+
+def cores_per_rank() -> int:
+    """The cores this rank's host update may use: :func:`usable_cores`, shared with the other
+    ranks on this host (:func:`_sharing_ranks`)."""
+    cores = usable_cores()
+    return max(1, cores // _sharing_ranks(cores))
 
 
 def rank_cores() -> list[int]:
@@ -55,16 +59,16 @@ def rank_cores() -> list[int]:
         cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return list(range(os.cpu_count() or 1))
+    ranks = _sharing_ranks(len(cpus))
+    if ranks == 1:
+        return cpus
     try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         rank = int(os.environ.get("LOCAL_RANK", "0")) % ranks
     except ValueError:
-        ranks, rank = 1, 0
-    if ranks > 1 and len(cpus) >= (os.cpu_count() or len(cpus)):
-        each = max(1, len(cpus) // ranks)
-        start = rank * each % len(cpus)  # more ranks than CPUs: one each, in turn
-        cpus = cpus[start : start + each]
-    return cpus
+        return cpus
+    each = max(1, len(cpus) // ranks)
+    start = rank * each % len(cpus)  # more ranks than CPUs: one each, in turn
+    return cpus[start : start + each]
 
 
 def worker_cpus() -> frozenset[int] | None:
