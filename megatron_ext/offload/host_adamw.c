@@ -194,7 +194,7 @@ static void run_portable(const adamw_task *t, const constants *k, const job *j, 
     }
 }
 
-/* ---- AVX2 ----------------------------------------------------------------------------- */
+/* ---- the vector paths: AVX2 (8 lanes) and AVX-512 (16) --------------------------------- */
 
 #ifdef ADAMW_X86
 AVX2 static inline __attribute__((always_inline)) __m256 load8(const void *base, int kind, int64_t i) {
@@ -222,68 +222,19 @@ AVX2 static inline __attribute__((always_inline)) void store8(void *base, int ki
         _mm256_storeu_ps((float *)base + i, x);
 }
 
-AVX2 static inline __attribute__((always_inline)) void run_avx2_mode(
-    const adamw_task *t, const constants *k, int64_t n8, int mode, int gk, int mk, int vk) {
-    const __m256 wdf = _mm256_set1_ps(k->wdf), coeff = _mm256_set1_ps(k->coeff);
-    const __m256 b2 = _mm256_set1_ps(k->b2), c2 = _mm256_set1_ps(k->c2);
-    const __m256 bc2s = _mm256_set1_ps(k->bc2s), eps = _mm256_set1_ps(k->eps);
-    const __m256 neg_step = _mm256_set1_ps(k->neg_step);
-    const int decay = k->decay, small = k->small;
-    for (int64_t i = 0; i < n8; i += 8) {
-        __m256 p = _mm256_loadu_ps(t->param + i);
-        __m256 g = load8(t->grad, gk, i);
-        __m256 m = load8(t->exp_avg, mk, i);
-        __m256 v = load8(t->exp_avg_sq, vk, i);
-        if (decay) p = _mm256_mul_ps(p, wdf);
-        m = _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m), small ? m : g);
-        __m256 cg = _mm256_mul_ps(c2, g);
-        if (mode == 1)
-            v = _mm256_fmadd_ps(cg, g, _mm256_mul_ps(v, b2));
-        else if (mode == 2)
-            v = _mm256_fmadd_ps(v, b2, _mm256_mul_ps(cg, g));
-        else
-            v = _mm256_add_ps(_mm256_mul_ps(v, b2), _mm256_mul_ps(cg, g));
-        __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2s), eps);
-        p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step, m), denom));
-        _mm256_storeu_ps(t->param + i, p);
-        store8(t->exp_avg, mk, i, m);
-        store8(t->exp_avg_sq, vk, i, v);
-        if (t->out) store8(t->out, t->out_kind, i, p);
-    }
+/* The AVX2 path writes the staging with plain stores: its 16-byte non-temporal stores of a
+ * bf16 staging measured slower (benchmarks/offload_step.py, docs/RESULTS.md). */
+AVX2 static inline __attribute__((always_inline)) void store8_out(void *base, int kind, int64_t i,
+                                                                  __m256 x, int stream) {
+    (void)stream;
+    store8(base, kind, i, x);
 }
 
-AVX2 static void pack_avx2(const float *param, void *out, int kind, int64_t n8) {
-    for (int64_t i = 0; i < n8; i += 8) store8(out, kind, i, _mm256_loadu_ps(param + i));
+static inline int streams8(int stream, const void *out, int kind) {
+    (void)stream, (void)out, (void)kind;
+    return 0;
 }
 
-/* the loop specialised per mode and dtypes, so that no choice is made per element */
-#define ADAMW_KINDS(mode)                                                                 \
-    do {                                                                                  \
-        if (gk == KIND_BF16 && mk == KIND_F32 && vk == KIND_F32)                          \
-            run_avx2_mode(t, k, n8, mode, KIND_BF16, KIND_F32, KIND_F32);              \
-        else if (gk == KIND_F32 && mk == KIND_F32 && vk == KIND_F32)                      \
-            run_avx2_mode(t, k, n8, mode, KIND_F32, KIND_F32, KIND_F32);               \
-        else if (gk == KIND_BF16 && mk == KIND_BF16 && vk == KIND_BF16)                   \
-            run_avx2_mode(t, k, n8, mode, KIND_BF16, KIND_BF16, KIND_BF16);            \
-        else if (gk == KIND_F32 && mk == KIND_BF16 && vk == KIND_BF16)                    \
-            run_avx2_mode(t, k, n8, mode, KIND_F32, KIND_BF16, KIND_BF16);             \
-        else                                                                              \
-            run_avx2_mode(t, k, n8, mode, gk, mk, vk);                                 \
-    } while (0)
-
-AVX2 static void run_avx2(const adamw_task *t, const constants *k, const job *j, int64_t n8) {
-    int gk = t->grad_kind, mk = j->m_kind, vk = j->v_kind;
-    switch (j->variant & V_VEC_MASK) {
-    case 1: ADAMW_KINDS(1); break;
-    case 2: ADAMW_KINDS(2); break;
-    default: ADAMW_KINDS(0); break;
-    }
-}
-#endif
-
-/* ---- AVX-512: the same operations per element, 16 lanes -------------------------------- */
-
-#ifdef ADAMW_X86
 AVX512 static inline __attribute__((always_inline)) __m512 load16(const void *base, int kind, int64_t i) {
     if (kind == KIND_BF16) {
         __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
@@ -312,9 +263,7 @@ AVX512 static inline __attribute__((always_inline)) void store16(void *base, int
  * them (`stream`, the default) and the staging is aligned for them (streams16): its lines go
  * to memory without first being read into the cache (2 bytes per element of a bf16
  * staging; the device's copy reads it next, not this CPU). Their order against other
- * threads' reads comes from the sfence at the end of each task. Not in the AVX2 path: its
- * 16-byte non-temporal stores of a bf16 staging measured slower (benchmarks/offload_step.py,
- * docs/RESULTS.md). */
+ * threads' reads comes from the sfence at the end of each task. */
 AVX512 static inline __attribute__((always_inline)) void store16_out(void *base, int kind, int64_t i,
                                                                      __m512 x, int stream) {
     if (!stream)
@@ -326,70 +275,81 @@ AVX512 static inline __attribute__((always_inline)) void store16_out(void *base,
 }
 
 /* whether `out` takes the non-temporal stores: asked for, and 32 bytes aligned for bf16, 64
- * for fp32 (every 16-element store then is too) */
+ * for fp32 (every 16-element store from an element that is a multiple of 16 then is too) */
 static inline int streams16(int stream, const void *out, int kind) {
     return stream && out && ((uintptr_t)out & (kind == KIND_BF16 ? 31u : 63u)) == 0;
 }
 
-AVX512 static inline __attribute__((always_inline)) void run_avx512_mode(
-    const adamw_task *t, const constants *k, int64_t n16, int mode, int gk, int mk, int vk,
-    int stream) {
-    const __m512 wdf = _mm512_set1_ps(k->wdf), coeff = _mm512_set1_ps(k->coeff);
-    const __m512 b2 = _mm512_set1_ps(k->b2), c2 = _mm512_set1_ps(k->c2);
-    const __m512 bc2s = _mm512_set1_ps(k->bc2s), eps = _mm512_set1_ps(k->eps);
-    const __m512 neg_step = _mm512_set1_ps(k->neg_step);
-    const int decay = k->decay, small = k->small;
-    for (int64_t i = 0; i < n16; i += 16) {
-        __m512 p = _mm512_loadu_ps(t->param + i);
-        __m512 g = load16(t->grad, gk, i);
-        __m512 m = load16(t->exp_avg, mk, i);
-        __m512 v = load16(t->exp_avg_sq, vk, i);
-        if (decay) p = _mm512_mul_ps(p, wdf);
-        m = _mm512_fmadd_ps(coeff, _mm512_sub_ps(g, m), small ? m : g);
-        __m512 cg = _mm512_mul_ps(c2, g);
-        if (mode == 1)
-            v = _mm512_fmadd_ps(cg, g, _mm512_mul_ps(v, b2));
-        else if (mode == 2)
-            v = _mm512_fmadd_ps(v, b2, _mm512_mul_ps(cg, g));
-        else
-            v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(cg, g));
-        __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2s), eps);
-        p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step, m), denom));
-        _mm512_storeu_ps(t->param + i, p);
-        store16(t->exp_avg, mk, i, m);
-        store16(t->exp_avg_sq, vk, i, v);
-        if (t->out) store16_out(t->out, t->out_kind, i, p, stream);
+/* One path, written once for both widths (W: 256 or 512 bits, LANES: 8 or 16; SUFFIX names
+ * its load, store, staging store and streaming test): the vector formula over the elements
+ * [from, to) of a task (multiples of LANES), specialised per mode and dtypes so that no
+ * choice is made per element (run_SUFFIX), and the packing of a gap (pack_SUFFIX). */
+#define ADAMW_VECTOR_PATH(SUFFIX, ATTR, W, LANES, LOAD, STORE, STORE_OUT, STREAMS)            \
+    ATTR static inline __attribute__((always_inline)) void run_##SUFFIX##_mode(                \
+        const adamw_task *t, const constants *k, int64_t from, int64_t to, int mode, int gk,    \
+        int mk, int vk, int stream) {                                                          \
+        const __m##W wdf = _mm##W##_set1_ps(k->wdf), coeff = _mm##W##_set1_ps(k->coeff);      \
+        const __m##W b2 = _mm##W##_set1_ps(k->b2), c2 = _mm##W##_set1_ps(k->c2);               \
+        const __m##W bc2s = _mm##W##_set1_ps(k->bc2s), eps = _mm##W##_set1_ps(k->eps);        \
+        const __m##W neg_step = _mm##W##_set1_ps(k->neg_step);                                 \
+        const int decay = k->decay, small = k->small;                                          \
+        for (int64_t i = from; i < to; i += LANES) {                                           \
+            __m##W p = _mm##W##_loadu_ps(t->param + i);                                        \
+            __m##W g = LOAD(t->grad, gk, i);                                                   \
+            __m##W m = LOAD(t->exp_avg, mk, i);                                                \
+            __m##W v = LOAD(t->exp_avg_sq, vk, i);                                             \
+            if (decay) p = _mm##W##_mul_ps(p, wdf);                                            \
+            m = _mm##W##_fmadd_ps(coeff, _mm##W##_sub_ps(g, m), small ? m : g);                \
+            __m##W cg = _mm##W##_mul_ps(c2, g);                                                \
+            if (mode == 1)                                                                     \
+                v = _mm##W##_fmadd_ps(cg, g, _mm##W##_mul_ps(v, b2));                          \
+            else if (mode == 2)                                                                \
+                v = _mm##W##_fmadd_ps(v, b2, _mm##W##_mul_ps(cg, g));                          \
+            else                                                                               \
+                v = _mm##W##_add_ps(_mm##W##_mul_ps(v, b2), _mm##W##_mul_ps(cg, g));           \
+            __m##W denom = _mm##W##_add_ps(_mm##W##_div_ps(_mm##W##_sqrt_ps(v), bc2s), eps);   \
+            p = _mm##W##_add_ps(p, _mm##W##_div_ps(_mm##W##_mul_ps(neg_step, m), denom));      \
+            _mm##W##_storeu_ps(t->param + i, p);                                               \
+            STORE(t->exp_avg, mk, i, m);                                                       \
+            STORE(t->exp_avg_sq, vk, i, v);                                                    \
+            if (t->out) STORE_OUT(t->out, t->out_kind, i, p, stream);                          \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    ATTR static void run_##SUFFIX(const adamw_task *t, const constants *k, const job *j,       \
+                                  int64_t from, int64_t to) {                                  \
+        int gk = t->grad_kind, mk = j->m_kind, vk = j->v_kind;                                 \
+        int stream = STREAMS(j->stream, t->out, t->out_kind);                                  \
+        switch (j->variant & V_VEC_MASK) {                                                     \
+        case 1: ADAMW_KINDS(run_##SUFFIX##_mode, 1); break;                                    \
+        case 2: ADAMW_KINDS(run_##SUFFIX##_mode, 2); break;                                    \
+        default: ADAMW_KINDS(run_##SUFFIX##_mode, 0); break;                                   \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    ATTR static void pack_##SUFFIX(const adamw_task *t, int64_t from, int64_t to, int stream) { \
+        stream = STREAMS(stream, t->out, t->out_kind);                                         \
+        for (int64_t i = from; i < to; i += LANES)                                             \
+            STORE_OUT(t->out, t->out_kind, i, _mm##W##_loadu_ps(t->param + i), stream);        \
     }
-}
 
-#define ADAMW_KINDS16(mode)                                                               \
+/* the loop of one mode for the common dtypes as constants, the rest as they come */
+#define ADAMW_KINDS(RUN, mode)                                                            \
     do {                                                                                  \
         if (gk == KIND_BF16 && mk == KIND_F32 && vk == KIND_F32)                          \
-            run_avx512_mode(t, k, n16, mode, KIND_BF16, KIND_F32, KIND_F32, stream);      \
+            RUN(t, k, from, to, mode, KIND_BF16, KIND_F32, KIND_F32, stream);             \
         else if (gk == KIND_F32 && mk == KIND_F32 && vk == KIND_F32)                      \
-            run_avx512_mode(t, k, n16, mode, KIND_F32, KIND_F32, KIND_F32, stream);       \
+            RUN(t, k, from, to, mode, KIND_F32, KIND_F32, KIND_F32, stream);              \
         else if (gk == KIND_BF16 && mk == KIND_BF16 && vk == KIND_BF16)                   \
-            run_avx512_mode(t, k, n16, mode, KIND_BF16, KIND_BF16, KIND_BF16, stream);    \
+            RUN(t, k, from, to, mode, KIND_BF16, KIND_BF16, KIND_BF16, stream);           \
         else if (gk == KIND_F32 && mk == KIND_BF16 && vk == KIND_BF16)                    \
-            run_avx512_mode(t, k, n16, mode, KIND_F32, KIND_BF16, KIND_BF16, stream);     \
+            RUN(t, k, from, to, mode, KIND_F32, KIND_BF16, KIND_BF16, stream);            \
         else                                                                              \
-            run_avx512_mode(t, k, n16, mode, gk, mk, vk, stream);                         \
+            RUN(t, k, from, to, mode, gk, mk, vk, stream);                                \
     } while (0)
 
-AVX512 static void run_avx512(const adamw_task *t, const constants *k, const job *j, int64_t n16) {
-    int gk = t->grad_kind, mk = j->m_kind, vk = j->v_kind;
-    int stream = streams16(j->stream, t->out, t->out_kind);
-    switch (j->variant & V_VEC_MASK) {
-    case 1: ADAMW_KINDS16(1); break;
-    case 2: ADAMW_KINDS16(2); break;
-    default: ADAMW_KINDS16(0); break;
-    }
-}
-
-AVX512 static void pack_avx512(const float *param, void *out, int kind, int64_t n16, int stream) {
-    stream = streams16(stream, out, kind);
-    for (int64_t i = 0; i < n16; i += 16) store16_out(out, kind, i, _mm512_loadu_ps(param + i), stream);
-}
+ADAMW_VECTOR_PATH(avx2, AVX2, 256, 8, load8, store8, store8_out, streams8)
+ADAMW_VECTOR_PATH(avx512, AVX512, 512, 16, load16, store16, store16_out, streams16)
 #endif
 
 /* a gap between parameters: its host values rounded into the staging, nothing updated */
@@ -398,13 +358,12 @@ static void pack_only(const adamw_task *t, int vectorized, int stream) {
 #ifdef ADAMW_X86
     if (vectorized >= ISA_AVX512) {
         i = t->n - t->n % 16;
-        pack_avx512(t->param, t->out, t->out_kind, i, stream);
+        pack_avx512(t, 0, i, stream);
     }
     if (vectorized >= ISA_AVX2) {
-        int64_t n8 = (t->n - i) - (t->n - i) % 8;
-        pack_avx2(t->param + i, t->out ? (char *)t->out + i * (t->out_kind == KIND_BF16 ? 2 : 4) : NULL,
-                  t->out_kind, n8);
-        i += n8;
+        int64_t to = i + (t->n - i) / 8 * 8;
+        pack_avx2(t, i, to, stream);
+        i = to;
     }
 #endif
     (void)vectorized;
@@ -412,37 +371,34 @@ static void pack_only(const adamw_task *t, int vectorized, int stream) {
     for (; i < t->n; i++) store(t->out, t->out_kind, i, t->param[i]);
 }
 
-static void run_task(const job *j, int64_t index) {
-    const adamw_task *t = &j->tasks[index];
-    if (t->family < 0) {
-        if (t->out) pack_only(t, j->vectorized, j->stream);
-#ifdef ADAMW_X86
-        if (j->vectorized >= ISA_AVX512) _mm_sfence();
-#endif
-        return;
-    }
+/* a run of one parameter updated: the widest vector path over as much of the vector body
+ * as it takes, AVX2 over what is left of it (fewer than 16), the portable code over the
+ * rest and over torch's scalar tail */
+static void update(const job *j, const adamw_task *t) {
     constants k = make_constants(j->hyper + 5 * t->family, j->steps[t->entry]);
     int64_t vec_n = t->vec_n < t->n ? t->vec_n : t->n;
     int64_t done = 0;
 #ifdef ADAMW_X86
     if (j->vectorized >= ISA_AVX512) {
         done = vec_n - vec_n % 16;
-        run_avx512(t, &k, j, done);
+        run_avx512(t, &k, j, 0, done);
     }
-    if (j->vectorized >= ISA_AVX2 && vec_n - done >= 8) {
-        adamw_task rest = *t; /* the last 8 of the vector body: a task 16 lanes could not take */
-        rest.param += done;
-        rest.grad = (const char *)t->grad + done * (t->grad_kind == KIND_BF16 ? 2 : 4);
-        rest.exp_avg = (char *)t->exp_avg + done * (j->m_kind == KIND_BF16 ? 2 : 4);
-        rest.exp_avg_sq = (char *)t->exp_avg_sq + done * (j->v_kind == KIND_BF16 ? 2 : 4);
-        if (t->out) rest.out = (char *)t->out + done * (t->out_kind == KIND_BF16 ? 2 : 4);
-        int64_t n8 = (vec_n - done) - (vec_n - done) % 8;
-        run_avx2(&rest, &k, j, n8);
-        done += n8;
+    if (j->vectorized >= ISA_AVX2) {
+        int64_t to = done + (vec_n - done) / 8 * 8;
+        run_avx2(t, &k, j, done, to);
+        done = to;
     }
 #endif
     run_portable(t, &k, j, done, vec_n, 0);
     run_portable(t, &k, j, vec_n, t->n, 1);
+}
+
+static void run_task(const job *j, int64_t index) {
+    const adamw_task *t = &j->tasks[index];
+    if (t->family >= 0)
+        update(j, t);
+    else if (t->out)
+        pack_only(t, j->vectorized, j->stream);
 #ifdef ADAMW_X86
     if (j->vectorized >= ISA_AVX512) _mm_sfence(); /* non-temporal stores, before "done" */
 #endif
