@@ -432,6 +432,7 @@ def test_for_host_bounds_the_threads_by_the_pinned_cpus(monkeypatch):
         (range(4, 10), "4", "1", range(4, 10)),  # the launcher gave this rank its own: those
         (range(16), "32", "20", [4]),  # more ranks than CPUs: one each, in turn
         (range(16), "x", "0", range(16)),  # not a number: not read
+        (range(16), "4", "y", range(4)),  # a rank that is not a number: the first run
         ([3, 1, 7], None, None, [1, 3, 7]),  # in order
     ],
 )
@@ -459,6 +460,18 @@ def test_nothing_is_pinned_where_the_platform_cannot_pin(monkeypatch):
 
     monkeypatch.delattr(threads.os, "sched_setaffinity", raising=False)
     assert threads.worker_cpus() is None
+
+
+def test_without_an_affinity_to_read_the_rank_has_every_cpu(monkeypatch):
+    from megatron_ext.offload import threads
+
+    def unreadable(pid):
+        raise OSError("no affinity here")
+
+    monkeypatch.setattr(threads.os, "sched_getaffinity", unreadable, raising=False)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert threads.rank_cores() == list(range(6))
 
 
 @pytest.mark.parametrize(

@@ -64,8 +64,8 @@ def rank_cores() -> list[int]:
         return cpus
     try:
         rank = int(os.environ.get("LOCAL_RANK", "0")) % ranks
-    except ValueError:
-        return cpus
+    except ValueError:  # the first run: as many CPUs as cores_per_rank counts
+        rank = 0
     each = max(1, len(cpus) // ranks)
     start = rank * each % len(cpus)  # more ranks than CPUs: one each, in turn
     return cpus[start : start + each]
