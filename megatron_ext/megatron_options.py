@@ -57,6 +57,14 @@ class MegatronOptions(BufferOptions):
             the GPU's forward and backward always finds the first of them free; that thread
             itself is not pinned (nor what it starts, data-loader processes included). No
             result changes.
+        offload_overlap_forward: with ``"chunked"`` and the precision-aware optimizer, the
+            exact step returns once its host update has started on a worker thread, which
+            updates the chunks in the order the next forward pass reads them and sends each
+            back when done; each module's forward waits for the chunks holding its own
+            parameters, so the first layers' forward runs beside the last ones' update. The
+            same bits as the exact step. Parameters are read elsewhere only after the next
+            step or :func:`megatron_ext.drain_offload`. Not with ``offload_delayed_update``.
+            [Note: the overlapped exact step] in :mod:`megatron_ext.offload.forward_waits`.
     """
 
     host_mirrors: bool = True
@@ -67,6 +75,7 @@ class MegatronOptions(BufferOptions):
     offload_delayed_update: bool = False
     offload_delay_warmup: int = 10
     offload_pin_threads: bool = False
+    offload_overlap_forward: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -101,6 +110,16 @@ class MegatronOptions(BufferOptions):
             raise ValueError(
                 "offload_pin_threads=True pins the delayed update's worker threads; add "
                 "offload_delayed_update=True or drop offload_pin_threads"
+            )
+        if self.offload_overlap_forward and self.offload_step != "chunked":
+            raise ValueError(
+                "offload_overlap_forward=True runs the chunked step; use "
+                "offload_step='chunked' (the default) or drop offload_overlap_forward"
+            )
+        if self.offload_overlap_forward and self.offload_delayed_update:
+            raise ValueError(
+                "offload_overlap_forward and offload_delayed_update are two ways of running "
+                "the host update beside the GPU (exact, or one step late); choose one"
             )
         warmup = self.offload_delay_warmup
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:

@@ -151,6 +151,8 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
                 delay_warmup=options.offload_delay_warmup,
                 sharing=max(1, offloading),
                 pin_threads=options.offload_pin_threads,
+                overlap_forward=options.offload_overlap_forward,
+                model_chunks=model_chunks,
             )
     if isinstance(opt, ChainedOptimizer):
         over_children: NormClip | None = None  # a chain of one hands everything to its child

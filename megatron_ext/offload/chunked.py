@@ -199,7 +199,8 @@ def run_exact(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> None:
 
 @dataclass
 class InFlightUpdate:
-    """A delayed step's host update, running on its worker thread (see the note above)."""
+    """A host update running on its worker thread: a delayed step's (see the note above),
+    or an overlapped exact step's (``copies_back``: [Note: the overlapped exact step])."""
 
     plan: ChunkedPlan
     threads: int | None
@@ -209,7 +210,16 @@ class InFlightUpdate:
     error: BaseException | None = None
     seconds: float = 0.0  # the worker's wall time, once it has ended
     started: float = 0.0  # time.perf_counter() when it started
+    d2h_wait_s: float = 0.0  # of which waiting for the gradients' copies to the host
+    # the worker sends each chunk's parameters back (on this stream) as soon as it has
+    # updated the chunk, and counts it in ``done``; None: the landing sends them all
+    copies_back: torch.cuda.Stream | None = None
+    done: int = 0  # chunks updated (and, with copies_back, their copy back issued)
+    ended: bool = False
+    awaited: int = -1  # with copies_back: the compute stream waits for chunks up to this
+
     thread: threading.Thread = field(init=False)
+    progress: threading.Condition = field(init=False, default_factory=threading.Condition)
 
     def start(self) -> None:
         self.started = time.perf_counter()
@@ -235,14 +245,39 @@ class InFlightUpdate:
                     self.plan.landed,
                     strict=True,
                 ):
+                    waiting = time.perf_counter()
                     event.synchronize()
+                    self.d2h_wait_s += time.perf_counter() - waiting
                     self.waited += 1
                     landed.synchronize()  # the last copy back out of these bytes
                     self.plan.steppers[k].update(i, chunk)
+                    if self.copies_back is not None:
+                        with torch.cuda.stream(self.copies_back):
+                            chunk.start_h2d()
+                            landed.record(self.copies_back)
+                    with self.progress:
+                        self.done += 1
+                        self.progress.notify_all()
         except BaseException as error:  # handed to the thread that lands the update
             self.error = error
         finally:
             self.seconds = time.perf_counter() - start
+            with self.progress:
+                self.ended = True
+                self.progress.notify_all()
+
+    def await_chunk(self, position: int) -> None:
+        """Until the worker has updated the chunk at ``position`` (in update order) and
+        every one before it, and issued their copies back; raises if it failed first."""
+        with self.progress:
+            while self.done <= position and not self.ended:
+                self.progress.wait()
+        if self.done <= position:
+            raise RuntimeError(
+                "the offloaded optimizer step's host update failed before the parameters "
+                "this forward pass reads were updated; the error is raised again at the "
+                "next optimizer step or drain_offload"
+            ) from self.error
 
     def wait(self) -> None:
         """Until the worker has ended, and every copy it had not waited for has too."""
@@ -276,32 +311,78 @@ def launch_delayed(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan, ready=None
     return flight
 
 
+def launch_overlapped(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> InFlightUpdate:
+    """The overlapped exact step ([Note: the overlapped exact step]): gradients to the host,
+    the GPU-resident part stepped, the host update started on a worker that sends each
+    chunk's parameters back as soon as it has updated them; returns at once."""
+    compute = _begin(hdo, plan)
+    # the device parameters may still be read by work queued before this step
+    hdo._h2d_stream.wait_stream(compute)
+    # the next iteration zeroes the gradient buffer on the compute stream: not before the
+    # copies have read it
+    compute.wait_stream(hdo._d2h_stream)
+    flight = InFlightUpdate(plan, hdo.cpu_threads, copies_back=hdo._h2d_stream)
+    try:
+        if hdo.gpu_optimizer is not None:
+            hdo.gpu_optimizer.step()
+            flight.gpu_stepped = True
+    except BaseException:  # no copy left in flight: the host may reuse the staging
+        for event in plan.events:
+            event.synchronize()
+        raise
+    flight.start()
+    return flight
+
+
 class LandedUpdate(NamedTuple):
-    """A delayed update, landed: what a benchmark reads to see where the time went."""
+    """A host update run on a worker, landed: what a benchmark reads to see where the time
+    went."""
 
     worker_s: float  # the host worker's wall time (waits for copies included)
     wait_s: float  # how long landing it waited for the worker: on the critical path
     window_s: float  # from the worker's start to the landing's: the time it had
     threads: int | None  # the worker's threads (None: torch's setting)
+    d2h_wait_s: float = 0.0  # of worker_s, waiting for the gradients' copies to the host
 
 
-def land_delayed(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> None:
-    """Wait for the update in flight and send its parameters back to the device, after the
-    compute stream's work so far; its error, if it raised, is raised here."""
+def land(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> None:
+    """Wait for the update in flight; send its parameters back to the device after the
+    compute stream's work so far, unless its worker did (``copies_back``); order the
+    compute stream's later work after them. Its error, if it raised, is raised here."""
     start = time.perf_counter()
     flight.wait()
     hdo.last_landed = LandedUpdate(
-        flight.seconds, time.perf_counter() - start, start - flight.started, flight.threads
+        flight.seconds,
+        time.perf_counter() - start,
+        start - flight.started,
+        flight.threads,
+        flight.d2h_wait_s,
     )
     plan = flight.plan
     if flight.error is not None:
+        if flight.copies_back is not None:  # no copy back left reading the staging
+            flight.copies_back.synchronize()
         hdo._torn = _torn_message(plan, flight.gpu_stepped)
         raise flight.error
     compute = torch.cuda.current_stream()
-    hdo._h2d_stream.wait_stream(compute)
-    with torch.cuda.stream(hdo._h2d_stream):
-        for chunk, landed in zip(plan.copies, plan.landed, strict=True):
-            chunk.start_h2d()
-            landed.record(hdo._h2d_stream)
+    if flight.copies_back is None:
+        hdo._h2d_stream.wait_stream(compute)
+        with torch.cuda.stream(hdo._h2d_stream):
+            for chunk, landed in zip(plan.copies, plan.landed, strict=True):
+                chunk.start_h2d()
+                landed.record(hdo._h2d_stream)
     hdo._order_after_copies_back(compute)
     _finish(hdo, plan)
+
+
+def reorder(plan: ChunkedPlan, keys) -> ChunkedPlan:
+    """``plan`` with its chunks updated (and their copies issued) in ascending ``keys``
+    order (one key per chunk, in the plan's order; ties keep it). Each element's update
+    reads and writes only that element, so any order gives the same bits."""
+    perm = sorted(range(len(plan.copies)), key=lambda j: keys[j])
+    return plan._replace(
+        copies=[plan.copies[j] for j in perm],
+        events=[plan.events[j] for j in perm],
+        order=[plan.order[j] for j in perm],
+        landed=[plan.landed[j] for j in perm],
+    )

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,10 +46,13 @@ from .chunked import (
     InFlightUpdate,
     LandedUpdate,
     build_chunked_plan,
-    land_delayed,
+    land,
     launch_delayed,
+    launch_overlapped,
+    reorder,
     run_exact,
 )
+from .forward_waits import ForwardWaits, forward_keys
 from .host_mirror import BufferMirror, HostBlock
 from .mirror_plan import copy_schedule, itemsize
 from .moment_dtypes import offload_moment_dtypes
@@ -99,6 +103,11 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     # exact steps (counted by the optimizer's step count).
     delayed_update: bool = False
     delay_warmup: int = 0
+    # The exact chunked step's host update beside the next forward pass, which waits per
+    # module for the chunks it reads ([Note: the overlapped exact step] in
+    # :mod:`.forward_waits`); set by attach_host_mirrors with the model chunks.
+    overlap_forward: bool = False
+    _forward_waits: ForwardWaits | None = None
     _chunked: ChunkedPlan | None = None
     _chunked_for: tuple | None = None  # the sizes _chunked was built for
     chunked_step_off: str | None = None  # why the chunked step cannot run, once it was built
@@ -310,6 +319,9 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         if self.delayed_update and self._past_warmup():
             with profiler_range("megatron_ext::offload_launch"):
                 self._in_flight = launch_delayed(self, plan, ready)
+        elif self.overlap_forward:
+            with profiler_range("megatron_ext::offload_launch"):
+                self._in_flight = launch_overlapped(self, plan)
         else:
             with profiler_range("megatron_ext::offload_exact_step"):
                 run_exact(self, plan)
@@ -328,6 +340,11 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             self.drain()
             self.chunked_step_off = chunked_step_refusal(self.cpu_optimizers)
             plan = None if self.chunked_step_off is not None else build_chunked_plan(self)
+            waits = self._forward_waits if self.overlap_forward else None
+            if plan is not None and waits is not None:
+                # the chunks the next forward pass reads first are updated first
+                plan = reorder(plan, forward_keys(plan, waits.model_chunks))
+                waits.plan_changed(plan)
             self._chunked, self._chunked_for = plan, sizes
         return self._chunked
 
@@ -361,8 +378,19 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         if flight is None:
             return False
         with profiler_range("megatron_ext::offload_land"):
-            land_delayed(self, flight)
+            land(self, flight)
         return True
+
+    def await_chunk(self, position: int) -> None:
+        """With an overlapped exact step in flight: until its worker has sent back the
+        parameters of every chunk up to ``position`` (in update order), and the compute
+        stream's later work is ordered after those copies; else nothing."""
+        flight = self._in_flight
+        if flight is None or flight.copies_back is None or position <= flight.awaited:
+            return
+        flight.await_chunk(position)
+        torch.cuda.current_stream().wait_event(flight.plan.landed[position])
+        flight.awaited = position
 
     def state_dict(self):
         """megatron-core's, after :meth:`drain`: it holds every update its step says."""
@@ -375,6 +403,9 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         flight, self._in_flight = self._in_flight, None
         if flight is not None:
             flight.wait()
+            # the worker of an overlapped step may have sent parameters back: what loads
+            # them on the compute stream comes after
+            self._order_after_copies_back(torch.cuda.current_stream())
         return super().load_state_dict(state_dict)
 
     def _refuse_if_lean(self, why: str) -> None:
@@ -531,6 +562,8 @@ def attach_host_mirrors(
     delay_warmup: int = 0,
     sharing: int = 1,
     pin_threads: bool = False,
+    overlap_forward: bool = False,
+    model_chunks: Sequence[Any] = (),
 ) -> bool:
     """Give a distributed optimizer's ``HybridDeviceOptimizer`` flat host mirrors.
 
@@ -554,6 +587,12 @@ def attach_host_mirrors(
             pinned to this rank's cores but one (:func:`.threads.worker_cpus`), which the
             thread launching the GPU's work keeps; a warning, and nothing pinned, where
             there is no second core or the platform cannot pin.
+        overlap_forward: the exact chunked step's host update beside the next forward
+            pass, which waits per module for the chunks it reads ([Note: the overlapped
+            exact step] in :mod:`.forward_waits`); needs ``chunked_step``, the
+            precision-aware optimizer and ``model_chunks``; not with ``delayed_update``.
+        model_chunks: the model chunks the optimizer steps (megatron-core's DDP modules),
+            for ``overlap_forward``.
 
     Attached at every offload fraction: at fraction 0 there is no mirror, but natively
     fp32 parameters on the GPU still need :meth:`HostMirrorHybridOptimizer._set_gpu_grads`.
@@ -589,6 +628,10 @@ def attach_host_mirrors(
             "while the GPU waits for it, on every core)"
         )
     hdo.delayed_update, hdo.delay_warmup = bool(delayed_update), int(delay_warmup)
+    if overlap_forward:
+        _check_overlap_forward(child, chunked_step, delayed_update, model_chunks)
+        hdo.overlap_forward = True
+        hdo._forward_waits = ForwardWaits(hdo, model_chunks)
     hdo.worker_cpus = worker_cpus() if pin_threads else None
     if pin_threads and hdo.worker_cpus is None:
         warnings.warn(
@@ -615,3 +658,35 @@ def attach_host_mirrors(
     hdo.rebuild_keeping_placement()
     allow_optimizer_classes_in_checkpoints(hdo)
     return True
+
+
+def _check_overlap_forward(child, chunked_step: bool, delayed_update: bool, model_chunks) -> None:
+    """Why ``overlap_forward`` cannot run on ``child``, as an error; else nothing."""
+    if not chunked_step:
+        raise ValueError(
+            "offload_overlap_forward runs the chunked step's host update beside the forward "
+            "pass; use offload_step='chunked' (the default with host mirrors)"
+        )
+    if delayed_update:
+        raise ValueError(
+            "offload_overlap_forward and offload_delayed_update are two ways of running the "
+            "host update beside the GPU (exact, or one step late); choose one"
+        )
+    config = child.config
+    precision_aware = getattr(
+        config,
+        "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+        getattr(config, "use_precision_aware_optimizer", False),
+    )
+    if not precision_aware:
+        raise ValueError(
+            "offload_overlap_forward needs use_precision_aware_optimizer=True (and no FP8 "
+            "parameter gather): otherwise megatron-core copies every main parameter to the "
+            "model's right after the step, before the host update has ended; drop "
+            "offload_overlap_forward or turn on the precision-aware optimizer"
+        )
+    if not model_chunks:
+        raise ValueError(
+            "offload_overlap_forward needs the model chunks, to wait in their forward "
+            "pass; pass model_chunks (megatron_ext.get_megatron_optimizer does)"
+        )
