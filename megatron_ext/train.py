@@ -77,6 +77,7 @@ class TrainOptions:
     offload_delayed_update: bool = False
     offload_delay_warmup: int = 10
     offload_pin_threads: bool = False
+    offload_overlap_forward: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainOptions:
@@ -90,6 +91,7 @@ class TrainOptions:
             offload_delayed_update=bool(getattr(args, "offload_delayed_update", False)),
             offload_delay_warmup=_given(getattr(args, "offload_delay_warmup", None), 10),
             offload_pin_threads=bool(getattr(args, "offload_pin_threads", False)),
+            offload_overlap_forward=bool(getattr(args, "offload_overlap_forward", False)),
         )
 
     @property
@@ -108,6 +110,8 @@ class TrainOptions:
             out.append(f"--offload-delay-warmup {self.offload_delay_warmup}")
         if self.offload_pin_threads:
             out.append("--offload-pin-threads")
+        if self.offload_overlap_forward:
+            out.append("--offload-overlap-forward")
         return out
 
     @property
@@ -130,6 +134,7 @@ class TrainOptions:
             offload_delayed_update=self.offload_delayed_update,
             offload_delay_warmup=self.offload_delay_warmup,
             offload_pin_threads=self.offload_pin_threads,
+            offload_overlap_forward=self.offload_overlap_forward,
         )
 
 
@@ -283,6 +288,14 @@ FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
         ),
     ),
     (
+        ("--offload-overlap-forward",),
+        dict(
+            action="store_true",
+            help="with --optimizer-cpu-offload and --use-precision-aware-optimizer: exact "
+            "host update beside the next forward, which waits per layer",
+        ),
+    ),
+    (
         ("--offload-threads",),
         dict(
             type=positive_int,
@@ -409,6 +422,8 @@ def enable(args: argparse.Namespace) -> TrainingPatches:
     _check_training_loop()
     if options.per_dtype_grad_buffers:
         check_supported(args)
+    if options.offload_overlap_forward:
+        _check_overlap_forward(args)
     built = _BuildRecord()
     if options.per_dtype_grad_buffers:
         patches.replace("training DDP config", DistributedDataParallelConfig)
@@ -583,6 +598,24 @@ def _check_needs_buffers(options: TrainOptions) -> None:
         raise UnsupportedTrainingOptionError(
             f"{' '.join(options.offload_flags)} needs --per-dtype-grad-buffers (they set how "
             "megatron_ext's host mirrors step); add it, or drop them"
+        )
+
+
+def _check_overlap_forward(args: argparse.Namespace) -> None:
+    """Refuse what reads every parameter right after the step, before the overlapped host
+    update has sent them back (only the forward pass waits for it)."""
+    readers = []
+    if getattr(args, "log_params_norm", False):
+        readers.append("--log-params-norm")
+    interval = getattr(args, "check_weight_hash_across_dp_replicas_interval", None)
+    if interval:
+        readers.append(f"--check-weight-hash-across-dp-replicas-interval {interval}")
+    if readers:
+        raise UnsupportedTrainingOptionError(
+            f"--offload-overlap-forward with {' and '.join(readers)}: they read every "
+            "parameter right after the optimizer step, while its host update is still "
+            "sending them back (only the next forward pass waits for it); drop them, or "
+            "--offload-overlap-forward"
         )
 
 

@@ -13,6 +13,7 @@ value and change the loss; and the first layer's forward must begin before that 
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -67,7 +68,7 @@ def batch(rank: int, step: int):
     return torch.randn(BATCH, H, generator=g).to(BF16), torch.randn(BATCH, H, generator=g)
 
 
-def build(overlap: bool, fraction: float, world: int, gather: bool = False):
+def build(overlap: bool, fraction: float, world: int, gather: bool = False, pa: bool = True):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -88,7 +89,7 @@ def build(overlap: bool, fraction: float, world: int, gather: bool = False):
     ocfg = OptimizerConfig(
         optimizer="adam", lr=LR, clip_grad=CLIP, bf16=True, use_distributed_optimizer=True,
         optimizer_cpu_offload=True, optimizer_offload_fraction=fraction,
-        use_precision_aware_optimizer=True, overlap_param_gather=gather,
+        use_precision_aware_optimizer=pa, overlap_param_gather=gather,
     )  # fmt: skip
     options = megatron_ext.MegatronOptions(
         offload_overlap_forward=overlap, offload_chunk_numel=1024
@@ -161,6 +162,39 @@ def overlap_loop_job(rank, world, log, out_dir, fraction, gather):
     return out
 
 
+def refusals_job(rank, world, log, out_dir):
+    from megatron_ext.offload import attach_host_mirrors
+
+    out = []
+    with adam_path("torch+offload"):
+        try:
+            build(True, 1.0, world, pa=False)
+        except ValueError as error:
+            out.append(str(error))
+        model, opt = build(False, 1.0, world)
+    (child,) = opt.chained_optimizers
+    for kwargs in (
+        dict(chunked_step=False),
+        dict(chunked_step=True, delayed_update=True),
+        dict(chunked_step=True),  # no model chunks
+    ):
+        child.optimizer.__dict__.pop("_chunked", None)
+        try:
+            attach_host_mirrors(child, overlap_forward=True, **kwargs)
+        except ValueError as error:
+            out.append(str(error))
+    return out
+
+
+def test_the_overlapped_step_refuses_what_it_cannot_wait_for(tmp_path):
+    (errors,) = run_ranks(tmp_path, 1, refusals_job)
+    assert len(errors) == 4, errors
+    assert "needs use_precision_aware_optimizer=True" in errors[0]
+    assert "use offload_step='chunked'" in errors[1]
+    assert "choose one" in errors[2]
+    assert "needs the model chunks" in errors[3]
+
+
 def _check(rows) -> None:
     *steps, last = rows
     for s, row in enumerate(steps):
@@ -198,3 +232,120 @@ def test_the_overlapped_step_gives_the_exact_steps_bits_and_overlaps_the_forward
 def test_two_ranks_gather_each_bucket_after_its_chunks(tmp_path, gather):
     for rows in run_ranks(tmp_path, 2, overlap_loop_job, 1.0, gather):
         _check(rows)
+
+
+# The same step in the simulation of ``tests/support/offload_sim.py`` (two buffers, islands,
+# megatron-core's placement), with the recording streams checking every copy's order: the
+# device holds what AdamW applied at once gives (the reference of
+# ``tests/test_offload_delayed.py``, exact), once a forward pass has waited for every chunk.
+
+
+def _sim(fraction: float):
+    from megatron_ext.offload.forward_waits import ForwardWaits
+    from tests.support.offload_sim import MirrorChunked
+    from tests.test_offload_delayed import Model
+
+    class MirrorOverlap(MirrorChunked):
+        overlap_forward = True
+
+    model = Model(True, fraction, cls=MirrorOverlap)
+    model.hdo._forward_waits = ForwardWaits(model.hdo, [])
+    return model
+
+
+def _forward(model, log) -> None:
+    """What a forward pass over every parameter waits for, in update order; then it reads."""
+    flight = model.hdo._in_flight
+    assert flight is not None and flight.copies_back is not None
+    for position in range(len(flight.plan.copies)):
+        model.hdo.await_chunk(position)
+    log.forward_reads()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_the_simulated_overlapped_step_orders_its_copies_and_equals_adamw(cpu_streams, fraction):
+    from tests.test_offload_delayed import Reference, assert_device, assert_state, grad_dtypes
+
+    model = _sim(fraction)
+    ref = Reference(model, delayed=False, warmup=0)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(4):
+        grads = ref.grads(gen, grad_dtypes(model))
+        model.set_grads(grads, step)
+        ref.step(grads, step)
+        model.hdo.step()
+        _forward(model, cpu_streams)
+        assert_device(model, ref, step)
+    assert model.hdo.drain() and model.hdo._in_flight is None
+    assert_state(model, ref)
+    assert cpu_streams.checks > 0
+
+
+def test_the_forward_pass_may_not_read_before_its_chunks_came_back(cpu_streams):
+    """Without the waits the recording streams see the read before the copies."""
+    from tests.support.streams import OrderError
+    from tests.test_offload_delayed import _grads_of
+
+    model = _sim(1.0)
+    model.set_grads(_grads_of(model, torch.Generator().manual_seed(1)), 0)
+    model.hdo.step()
+    with pytest.raises(OrderError, match="forward pass reads parameters before"):
+        cpu_streams.forward_reads()
+    model.hdo.drain()
+    cpu_streams.forward_reads()  # a drain orders the compute stream after every copy
+
+
+def test_state_dict_and_load_state_dict_land_or_drop_the_overlapped_update(cpu_streams):
+    from tests.test_offload_delayed import _grads_of
+
+    model = _sim(1.0)
+    gen = torch.Generator().manual_seed(2)
+    model.set_grads(_grads_of(model, gen), 0)
+    model.hdo.step()
+    saved = copy.deepcopy(model.hdo.state_dict())  # lands it: every step it counts
+    assert model.hdo._in_flight is None
+    assert {float(s["step"]) for s in saved["state"].values() if "step" in s} == {1.0}
+    model.set_grads(_grads_of(model, gen), 1)
+    model.hdo.step()
+    model.hdo.load_state_dict(saved)
+    assert model.hdo._in_flight is None and not model.hdo.drain()
+    # what loads the parameters on the compute stream comes after the worker's copies back
+    cpu_streams.forward_reads()
+    assert {float(s["step"]) for s in model.hdo.state.values() if "step" in s} == {1.0}
+
+
+def test_a_failing_overlapped_update_is_raised_where_the_forward_waits(cpu_streams, monkeypatch):
+    """The forward pass's wait for a chunk the worker did not reach raises; the landing
+    raises the worker's error; the optimizer then refuses to step until a load."""
+    from megatron_ext.offload.step import ChunkedAdamW
+    from tests.test_offload_delayed import _grads_of
+
+    model = _sim(1.0)
+    gen = torch.Generator().manual_seed(1)
+    model.set_grads(_grads_of(model, gen), 0)
+    model.hdo.step()
+    saved = copy.deepcopy(model.hdo.state_dict())
+    real, calls = ChunkedAdamW.update, []
+
+    def failing(self, chunk, copies=None):
+        calls.append(chunk)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real(self, chunk, copies)
+
+    monkeypatch.setattr(ChunkedAdamW, "update", failing)
+    model.set_grads(_grads_of(model, gen), 1)
+    model.hdo.step()
+    model.hdo.await_chunk(0)  # the chunk it updated
+    with pytest.raises(RuntimeError, match="host update failed before") as raised:
+        model.hdo.await_chunk(1)
+    assert "injected failure" in str(raised.value.__cause__)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        model.hdo.step()
+    assert all(cpu_streams.known_done(op) for op in cpu_streams.copies if "d2h" in op.what)
+    with pytest.raises(RuntimeError, match="failed part way .*load the last checkpoint"):
+        model.hdo.step()
+    monkeypatch.setattr(ChunkedAdamW, "update", real)
+    model.hdo.load_state_dict(saved)
+    model.hdo.step()
+    assert model.hdo.drain()

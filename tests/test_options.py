@@ -107,6 +107,17 @@ def test_pinning_the_threads_needs_the_delayed_update():
         MegatronOptions(offload_pin_threads=True)
 
 
+def test_the_overlapped_step_needs_the_chunked_step_and_not_the_delayed_update():
+    assert MegatronOptions().offload_overlap_forward is False
+    assert MegatronOptions(offload_overlap_forward=True).offload_overlap_forward
+    with pytest.raises(ValueError, match="offload_overlap_forward=True runs the chunked step"):
+        MegatronOptions(offload_overlap_forward=True, offload_step="per_parameter")
+    with pytest.raises(ValueError, match="offload_overlap_forward=True runs the chunked step"):
+        MegatronOptions(offload_overlap_forward=True, host_mirrors=False)
+    with pytest.raises(ValueError, match="exact, or one step late.*choose one"):
+        MegatronOptions(offload_overlap_forward=True, offload_delayed_update=True)
+
+
 def test_offload_threads_are_checked():
     assert MegatronOptions().offload_threads is None
     assert MegatronOptions(offload_threads=3).offload_threads == 3

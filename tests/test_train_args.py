@@ -137,6 +137,32 @@ def test_delayed_update_flags_reach_the_options():
         train.enable(args)
 
 
+def test_the_overlap_flag_reaches_the_options_and_refuses_readers_after_the_step():
+    args = parser().parse_args(["--offload-overlap-forward"])
+    options = train.TrainOptions.from_args(args)
+    assert options.on and options.offload_flags == ["--offload-overlap-forward"]
+    assert options.megatron_options().offload_overlap_forward
+    assert not train.TrainOptions.from_args(parser().parse_args([])).offload_overlap_forward
+    with pytest.raises(train.UnsupportedTrainingOptionError, match="needs --per-dtype-grad"):
+        train.enable(args)
+    on = ["--per-dtype-grad-buffers", "--offload-overlap-forward"]
+    for extra, named in (
+        (dict(log_params_norm=True), "--log-params-norm"),
+        (
+            dict(check_weight_hash_across_dp_replicas_interval=5),
+            "--check-weight-hash-across-dp-replicas-interval 5",
+        ),
+    ):
+        args = parser().parse_args(on)
+        vars(args).update(extra)
+        with pytest.raises(train.UnsupportedTrainingOptionError, match=named):
+            train.enable(args)
+    with pytest.raises(ValueError, match="choose one"):
+        train.TrainOptions.from_args(
+            parser().parse_args(on + ["--offload-delayed-update"])
+        ).megatron_options()
+
+
 def test_offload_flags_parse_and_need_the_buffers(capsys):
     default = train.TrainOptions.from_args(parser().parse_args([]))
     assert (default.offload_step, default.offload_threads, default.on) == ("chunked", None, False)

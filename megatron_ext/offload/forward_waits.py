@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 def device_bytes(t: torch.Tensor) -> tuple[int, int, int]:
     """(storage, first byte, end byte) of a contiguous view."""
-    start = t.storage_offset() * t.element_size()
+    start = int(t.storage_offset()) * t.element_size()
     return (t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size())
 
 

@@ -90,7 +90,8 @@ def trace_host_mirrors(monkeypatch, log: streams.Log) -> None:
                     return real(self, *args, **kwargs)
                 log.step_begins()
                 out = real(self, *args, **kwargs)
-                log.step_ends()
+                flight = getattr(self, "_in_flight", None)
+                log.step_ends(overlapped=getattr(flight, "copies_back", None) is not None)
                 return out
             finally:
                 depth[0] -= 1

@@ -23,6 +23,7 @@ A violation raises :class:`OrderError` at the access, naming the copy and the st
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -113,12 +114,22 @@ class Log:
     streams: list[Stream] = field(default_factory=list)
     host: dict = field(default_factory=dict)
     copies: list[Op] = field(default_factory=list)  # every device<->host copy issued
-    current: Stream | None = None
     compute: Stream | None = None
     checks: int = 0  # accesses checked (a test can assert the checker ran)
+    # the current stream is per thread, as CUDA's is (a worker thread's stream context does
+    # not change the launching thread's); the compute stream where none was set
+    _local: threading.local = field(default_factory=threading.local)
 
     def __post_init__(self):
-        self.compute = self.current = Stream(self, "compute")
+        self.compute = Stream(self, "compute")
+
+    @property
+    def current(self) -> Stream:
+        return getattr(self._local, "stream", None) or self.compute
+
+    @current.setter
+    def current(self, stream: Stream | None) -> None:
+        self._local.stream = stream
 
     def known_done(self, op: Op) -> bool:
         return self.host.get(op.stream, 0) >= op.index
@@ -159,9 +170,12 @@ class Log:
     def step_begins(self) -> None:
         self.compute.push("work before the step")
 
-    def step_ends(self) -> None:
+    def step_ends(self, overlapped: bool = False) -> None:
+        """``overlapped``: the step left its host update sending parameters back (the
+        overlapped exact step): the next forward pass waits for them, checked by
+        :meth:`forward_reads`."""
         for op in self.copies:
-            if op.what.startswith("h2d") and not self.compute.precedes(op):
+            if op.what.startswith("h2d") and not overlapped and not self.compute.precedes(op):
                 raise OrderError(
                     f"the step returned before the compute stream was ordered after {op.what} "
                     f"on {op.stream} (the next forward pass could read stale parameters)"
@@ -175,6 +189,17 @@ class Log:
                     f"the step returned before {op.what} on {op.stream} was known complete or "
                     "the compute stream ordered after it (the next backward overwrites the "
                     "gradients it reads)"
+                )
+        self.checks += 1
+
+    def forward_reads(self) -> None:
+        """The forward pass reads every parameter here: the compute stream must be ordered
+        after every host-to-device copy issued so far."""
+        for op in self.copies:
+            if op.what.startswith("h2d") and not self.compute.precedes(op):
+                raise OrderError(
+                    f"the forward pass reads parameters before the compute stream was ordered "
+                    f"after {op.what} on {op.stream}"
                 )
         self.checks += 1
 
