@@ -13,6 +13,9 @@ may still run: that is the overlap). Configurations, per micro-batch count:
 - ``stock_offload_F``: stock megatron-core's CPU offload at fraction F, the fp32 islands in
   bf16 (with them it cannot build);
 - ``exact_offload_F``: ours, the chunked step in series with the GPU;
+- ``overlapped_offload_F``: ours, the same exact step with its host update beside the next
+  forward pass, which waits per module for the chunks it reads
+  (``offload_overlap_forward``);
 - ``delayed_offload_F``: ours, the host update one step late (``offload_delayed_update``),
   its worker on every usable core but one (the default);
 - ``delayed_offload_F_threads_N`` (first fraction only, ``--thread-variants``): the same
@@ -26,8 +29,10 @@ may still run: that is the overlap). Configurations, per micro-batch count:
 ``fwd_bwd``: the device time from the step's start to the end of its gradient sync (CUDA
 events, no synchronization added): where it exceeds the GPU-resident one, the forward and
 backward themselves were slowed (a starved launching thread, copies competing for memory).
-For a delayed row, ``worker``: the host update's wall time on its worker, and ``land
-wait``: how long the next step waited for it (on the critical path when above zero).
+For a delayed or overlapped row, ``worker``: the host update's wall time on its worker;
+``land wait``: how long the next step waited for it (on the critical path when above
+zero); ``d2h wait``: how much of the worker's time went waiting for the gradients' copies
+to the host (the most that copying them earlier, during the backward pass, could save).
 
 ``--loss-steps N`` also trains N steps of each loss task (``--loss-tasks``; fraction 1.0,
 one micro-batch) from the same start on the same batches, four ways: ours exact and
@@ -86,11 +91,13 @@ def configs(
     ``thread_variants``: the delayed worker's thread counts to measure at the first fraction
     (None: every usable core); ``pinned``: also the default worker pinned there."""
     delayed = dict(offload_step="chunked", offload_delayed_update=True, offload_delay_warmup=1)
+    overlapped = dict(offload_step="chunked", offload_overlap_forward=True)
     out: list[tuple[str, dict, dict | None]] = [("gpu_resident", PA, {})]
     for f in fractions:
         offload = PA | dict(optimizer_cpu_offload=True, optimizer_offload_fraction=f)
         out.append((f"stock_offload_{f}", offload, None))
         out.append((f"exact_offload_{f}", offload, dict(offload_step="chunked")))
+        out.append((f"overlapped_offload_{f}", offload, dict(overlapped)))
         out.append((f"delayed_offload_{f}", offload, dict(delayed)))
     if fractions:  # other worker sizes; every core: none left to the launching thread
         from megatron_ext.offload.threads import usable_cores
@@ -249,7 +256,7 @@ def measure(args, label: str, overrides: dict, options: dict | None, micro: int)
     try:
         model, opt = build(args, overrides, options)
         data = batches(args, micro)
-        seconds, fwd_bwd, worker, wait = [], [], [], []
+        seconds, fwd_bwd, worker, wait, d2h = [], [], [], [], []
         threads = None  # the worker's at the last timed step: where the tuner had got to
         for step in range(args.warmup + args.steps):
             start, synced = (
@@ -268,6 +275,7 @@ def measure(args, label: str, overrides: dict, options: dict | None, micro: int)
                 if landed:
                     worker.append(1e3 * sum(x.worker_s for x in landed))
                     wait.append(1e3 * sum(x.wait_s for x in landed))
+                    d2h.append(1e3 * sum(x.d2h_wait_s for x in landed))
                     threads = max((x.threads or 0) for x in landed)
         megatron_ext.drain_offload(opt)
         row["step_ms"] = 1e3 * statistics.median(seconds)
@@ -275,6 +283,7 @@ def measure(args, label: str, overrides: dict, options: dict | None, micro: int)
         if worker:
             row["worker_ms"] = statistics.median(worker)
             row["land_wait_ms"] = statistics.median(wait)
+            row["d2h_wait_ms"] = statistics.median(d2h)
             row["worker_threads"] = threads
         row["peak_gib"] = gib(torch.cuda.max_memory_allocated())
     except Exception as exc:  # a configuration that cannot run is a result
@@ -560,9 +569,10 @@ COLUMNS = [
     Column("step ms", "step_ms", lambda v: f"{v:.1f}", "median, device drained around it"),
     Column("kept", "kept", lambda v: f"{v:.0%}", "GPU-resident step time / this one"),
     Column("fwd+bwd ms", "fwd_bwd_ms", lambda v: f"{v:.1f}", "device time, step start to synced"),
-    Column("worker ms", "worker_ms", lambda v: f"{v:.1f}", "delayed: the host update's time"),
-    Column("land wait ms", "land_wait_ms", lambda v: f"{v:.1f}", "delayed: waited for it"),
-    Column("threads", "worker_threads", str, "delayed: the worker's, at the last step"),
+    Column("worker ms", "worker_ms", lambda v: f"{v:.1f}", "on a worker: the host update's time"),
+    Column("land wait ms", "land_wait_ms", lambda v: f"{v:.1f}", "on a worker: waited for it"),
+    Column("d2h wait ms", "d2h_wait_ms", lambda v: f"{v:.1f}", "worker: waiting for grads"),
+    Column("threads", "worker_threads", str, "on a worker: its threads, at the last step"),
     Column("peak GiB", "peak_gib", lambda v: f"{v:.2f}", "peak allocated while it ran"),
     Column("baseline GiB", "baseline_gib", lambda v: f"{v:.2f}", "allocated before it was built"),
     Column("status", "error", lambda v: str(v)[:60], "empty: ran"),

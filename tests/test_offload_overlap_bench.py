@@ -19,8 +19,8 @@ def test_every_offloaded_configuration_comes_as_stock_exact_and_delayed():
     labels = [label for label, _, _ in rows]
     assert labels == [
         "gpu_resident",
-        "stock_offload_1.0", "exact_offload_1.0", "delayed_offload_1.0",
-        "stock_offload_0.5", "exact_offload_0.5", "delayed_offload_0.5",
+        "stock_offload_1.0", "exact_offload_1.0", "overlapped_offload_1.0", "delayed_offload_1.0",
+        "stock_offload_0.5", "exact_offload_0.5", "overlapped_offload_0.5", "delayed_offload_0.5",
         f"delayed_offload_1.0_threads_{usable_cores()}", "delayed_offload_1.0_pinned",
     ]  # fmt: skip
     by = {label: (ov, opts) for label, ov, opts in rows}
@@ -30,6 +30,10 @@ def test_every_offloaded_configuration_comes_as_stock_exact_and_delayed():
     assert by["exact_offload_1.0"][1] == {"offload_step": "chunked"}
     assert by["delayed_offload_1.0"][1]["offload_delayed_update"] is True
     assert not by["exact_offload_1.0"][1].get("offload_delayed_update", False)
+    assert by["overlapped_offload_0.5"] == (
+        by["exact_offload_0.5"][0],
+        {"offload_step": "chunked", "offload_overlap_forward": True},
+    )
     # the default worker leaves the launching thread a core; the last row takes them all
     assert "offload_threads" not in by["delayed_offload_1.0"][1]
     assert by[f"delayed_offload_1.0_threads_{usable_cores()}"][1]["offload_threads"] == (

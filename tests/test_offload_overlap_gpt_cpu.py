@@ -181,6 +181,8 @@ def measure_job(rank, world, log, out_dir):
         for label, overrides, options in offload_overlap.configs([1.0], [1]):
             if options is None:  # stock's offload: megatron-core's own CUDA copies
                 continue
+            if options.get("offload_overlap_forward"):  # needs it; offloaded, no TE needed
+                overrides = overrides | dict(use_precision_aware_optimizer=True)
             rows[label] = offload_overlap.measure(args, label, overrides, options, 2)
         return rows
 
@@ -193,16 +195,18 @@ def test_measure_reports_where_a_delayed_step_spends_its_time(tmp_path):
 
     (rows,) = run_ranks(tmp_path, 1, measure_job)
     assert set(rows) == {
-        "gpu_resident", "exact_offload_1.0", "delayed_offload_1.0",
+        "gpu_resident", "exact_offload_1.0", "overlapped_offload_1.0", "delayed_offload_1.0",
         "delayed_offload_1.0_threads_1", "delayed_offload_1.0_pinned",
     }  # fmt: skip
     for label, row in rows.items():
         assert "error" not in row, (label, row)
         assert row["step_ms"] > 0 and row["fwd_bwd_ms"] > 0 and row["micro_batches"] == 2
-        delayed = label.startswith("delayed")
-        assert ("worker_ms" in row) is delayed and ("worker_threads" in row) is delayed
-        if delayed:
+        worker = label.startswith(("delayed", "overlapped"))
+        assert ("worker_ms" in row) is worker and ("worker_threads" in row) is worker
+        assert ("d2h_wait_ms" in row) is worker
+        if worker:
             assert row["worker_ms"] > 0 and row["land_wait_ms"] >= 0
+            assert 0 <= row["d2h_wait_ms"] <= row["worker_ms"]
     tuner = ThreadTuner.for_host()
     assert tuner.low <= rows["delayed_offload_1.0"]["worker_threads"] <= tuner.high
     assert rows["delayed_offload_1.0_threads_1"]["worker_threads"] == 1
