@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU test machine: install the carried megatron-core wheel, then run the named steps,
 # each under its own time limit, logging to $OUT/<step>.log. Usage: gpu_session.sh STEP...
-# Steps: tests, multirank, pytest, example, offload_overlap, reshard (tests/test_megatron_cpu_reshard.py, _tp.py
+# Steps: tests, multirank, pytest, example, offload_overlap, overlap_forward, reshard (tests/test_megatron_cpu_reshard.py, _tp.py
 # and _pp.py on the GPU, MEGATRON_TEST_DEVICE=cuda; before te), te, norm_clip, memory, train_step, offload, clip_step,
 # offload_step (fractions 1.0 and 0.5; OFFLOAD_STEP_ARGS replaces its --threads 4 8 16 --warmup 1
 # --reps 20 --rounds 2: about 2 minutes each at the default GPT size),
@@ -51,6 +51,12 @@ for s in "$@"; do
       step pytest ${PYTEST_LIMIT:-300} python3 -m pytest -p no:cacheprovider -q -m "cuda or not cuda" \
       -s -rfE "${targets[@]}" -k "${PYTEST_K:-not nothing}" ;;
     example) step example 120 python3 examples/megatron_quickstart.py ;;
+    overlap_forward)  # the overlapped exact offload step's training-loop tests on the GPU:
+      # 1 and 2 ranks on GPU 0 over gloo, real streams and pinned copies (no TE needed)
+      MEGATRON_TEST_DEVICE=cuda PYTHONPATH=$PWD/tests/support/multirank:$PYTHONPATH \
+        step overlap_forward ${OVERLAP_FORWARD_LIMIT:-300} python3 -m pytest -p no:cacheprovider \
+        -q -rfEs tests/test_offload_overlap_forward.py tests/test_offload_delayed_training.py \
+        -k "exact_steps_bits or two_ranks or refuses or training_loop" ;;
     reshard)  # the CPU suite's resharding matrix on the GPU: every rank on GPU 0 over gloo,
       # megatron-core's own CUDA code; before `te` (its torch-Adam paths need no TE installed)
       MEGATRON_TEST_DEVICE=cuda PYTHONPATH=$PWD/tests/support/multirank:$PYTHONPATH \

@@ -63,3 +63,21 @@ def test_the_offload_overlap_step_runs_the_benchmark_with_its_loss_curves(tmp_pa
         assert call.endswith(
             f"benchmarks/offload_overlap.py --device cuda --out {out}/bench {expected}"
         ), call
+
+
+def test_the_overlap_forward_step_runs_the_training_loop_tests_on_cuda(tmp_path):
+    """MEGATRON_TEST_DEVICE=cuda, tests/support/multirank first on PYTHONPATH, the
+    overlapped and delayed steps' training-loop tests (the CPU suite's files, selected)."""
+    root, log, out, env = stub_repo(tmp_path)
+    env.pop("MEGATRON_TEST_DEVICE", None)
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "overlap_forward"], cwd=root,
+                          env=env, capture_output=True, text=True)  # fmt: skip
+    assert "=== overlap_forward exit 0" in proc.stdout, proc.stdout + proc.stderr
+    _, call = log.read_text().splitlines()
+    assert call.startswith(f"DEVICE=cuda PYTHONPATH={root}/tests/support/multirank:/tmp/site:")
+    assert call.endswith(
+        "-m pytest -p no:cacheprovider -q -rfEs tests/test_offload_overlap_forward.py "
+        "tests/test_offload_delayed_training.py -k exact_steps_bits or two_ranks or refuses "
+        "or training_loop"
+    ), call
+    assert (out / "overlap_forward.log").exists()
