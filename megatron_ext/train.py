@@ -291,8 +291,8 @@ FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
         ("--offload-overlap-forward",),
         dict(
             action="store_true",
-            help="with --optimizer-cpu-offload and --use-precision-aware-optimizer: exact "
-            "host update beside the next forward, which waits per layer",
+            help="with --use-precision-aware-optimizer: exact host update beside the next "
+            "forward, which waits per layer",
         ),
     ),
     (
@@ -419,11 +419,11 @@ def enable(args: argparse.Namespace) -> TrainingPatches:
     if not options.on:
         return patches
     _check_needs_buffers(options)
+    if options.offload_overlap_forward:
+        _check_overlap_forward(args)
     _check_training_loop()
     if options.per_dtype_grad_buffers:
         check_supported(args)
-    if options.offload_overlap_forward:
-        _check_overlap_forward(args)
     built = _BuildRecord()
     if options.per_dtype_grad_buffers:
         patches.replace("training DDP config", DistributedDataParallelConfig)
@@ -573,6 +573,8 @@ def refuse_unsupported(argv: list[str]) -> None:
         pre.add_argument(flag, action="store_true")
     pre.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
     pre.add_argument("--optimizer", default="adam")
+    pre.add_argument("--log-params-norm", action="store_true")
+    pre.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None)
     pre.add_argument(NO_FUSION, action="store_false", dest="gradient_accumulation_fusion")
     try:
         args, _ = pre.parse_known_args(argv)
@@ -585,6 +587,8 @@ def refuse_unsupported(argv: list[str]) -> None:
         )
     options = TrainOptions.from_args(args)
     _check_needs_buffers(options)
+    if options.offload_overlap_forward:
+        _check_overlap_forward(args)
     if options.per_dtype_grad_buffers:
         check_supported(args)
 

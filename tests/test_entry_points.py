@@ -27,6 +27,7 @@ OUR_FLAGS = (
     "--offload-delayed-update",
     "--offload-delay-warmup",
     "--offload-pin-threads",
+    "--offload-overlap-forward",
     "--offload-threads",
 )
 
@@ -89,6 +90,19 @@ class _Ran(Exception):
         ),
         (["--offload-delayed-update"], "--offload-delayed-update needs --per-dtype-grad-buffers"),
         (["--offload-threads=8"], "--offload-threads 8 needs --per-dtype-grad-buffers"),
+        (
+            ["--per-dtype-grad-buffers", "--offload-overlap-forward", "--log-params-norm"],
+            "--offload-overlap-forward with --log-params-norm",
+        ),
+        (
+            [
+                "--per-dtype-grad-buffers",
+                "--offload-overlap-forward",
+                "--check-weight-hash-across-dp-replicas-interval",
+                "10",
+            ],
+            "with --check-weight-hash-across-dp-replicas-interval 10",
+        ),
     ],
 )
 def test_unsupported_flags_are_refused_in_one_line_before_the_script_runs(
