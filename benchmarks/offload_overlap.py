@@ -115,6 +115,26 @@ def configs(
     return out
 
 
+KINDS = ("gpu_resident", "stock", "exact", "overlapped", "delayed")
+
+
+def kind_of(label: str) -> str:
+    """Which of :data:`KINDS` a configuration of :func:`configs` is."""
+    kind = label.split("_offload", 1)[0]
+    if kind not in KINDS:
+        raise ValueError(f"no kind for configuration {label!r}")
+    return kind
+
+
+def selected_configs(args) -> list[tuple[str, dict, dict | None]]:
+    """:func:`configs` for the arguments, of the kinds ``--kinds`` names."""
+    return [
+        c
+        for c in configs(args.fractions, args.thread_variants, args.pinned)
+        if kind_of(c[0]) in args.kinds
+    ]
+
+
 def build(args, overrides: dict, options: dict | None):
     import megatron_ext
     from benchmarks.train_step import _model
@@ -468,6 +488,10 @@ def parse_args(argv: list[str] | None):
         "measured, at the first fraction)",
     )  # fmt: skip
     ap.add_argument(
+        "--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+        help="which kinds of configuration to time (default: all)",
+    )  # fmt: skip
+    ap.add_argument(
         "--loss-curves", nargs="+", choices=CURVES, default=list(CURVES),
         help="which of the loss curves to train (default: all four)",
     )  # fmt: skip
@@ -524,9 +548,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         parallel_state.initialize_model_parallel()
         for micro in args.micro_batches:
-            for label, overrides, options in configs(
-                args.fractions, args.thread_variants, args.pinned
-            ):
+            for label, overrides, options in selected_configs(args):
                 row = measure(args, label, overrides, options, micro)
                 result["rows"].append(row)
                 add_kept(result["rows"])

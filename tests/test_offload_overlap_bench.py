@@ -265,3 +265,25 @@ def test_the_labels_are_the_next_tokens_of_the_inputs(task):
             want = fixed[step % args.loss_batches]
             assert torch.equal(tokens, want[0]) and torch.equal(labels, want[3])
         assert not torch.equal(fixed[0][0], fixed[1][0])
+
+
+def test_every_configuration_has_a_kind_and_kinds_select_them():
+    rows = offload_overlap.configs([1.0, 0.5], [3])
+    kinds = {label: offload_overlap.kind_of(label) for label, _, _ in rows}
+    assert kinds["gpu_resident"] == "gpu_resident"
+    assert kinds["stock_offload_0.5"] == "stock"
+    assert kinds["overlapped_offload_1.0"] == "overlapped"
+    assert kinds["delayed_offload_1.0_threads_3"] == "delayed"
+    assert set(kinds.values()) == set(offload_overlap.KINDS)
+    with pytest.raises(ValueError, match="no kind"):
+        offload_overlap.kind_of("other_offload_1.0")
+    assert offload_overlap.parse_args([]).kinds == list(offload_overlap.KINDS)
+    args = offload_overlap.parse_args(
+        ["--kinds", "exact", "overlapped", "--fractions", "1.0", "0.5", "--thread-variants"]
+    )
+    assert [label for label, _, _ in offload_overlap.selected_configs(args)] == [
+        "exact_offload_1.0", "overlapped_offload_1.0",
+        "exact_offload_0.5", "overlapped_offload_0.5",
+    ]  # fmt: skip
+    args = offload_overlap.parse_args(["--fractions", "1.0"])
+    assert offload_overlap.selected_configs(args) == offload_overlap.configs([1.0])
