@@ -178,21 +178,37 @@ def refusals_job(rank, world, log, out_dir):
         dict(chunked_step=True, delayed_update=True),
         dict(chunked_step=True),  # no model chunks
     ):
-        child.optimizer.__dict__.pop("_chunked", None)
         try:
             attach_host_mirrors(child, overlap_forward=True, **kwargs)
         except ValueError as error:
             out.append(str(error))
+    for field, value in (
+        ("cuda_graph_impl", "local"),
+        ("enable_cuda_graph", True),
+        ("external_cuda_graph", True),
+    ):
+        config = model.config
+        before = getattr(config, field)
+        setattr(config, field, value)
+        try:
+            attach_host_mirrors(
+                child, chunked_step=True, overlap_forward=True, model_chunks=[model]
+            )
+        except ValueError as error:
+            out.append(str(error))
+        finally:
+            setattr(config, field, before)
     return out
 
 
 def test_the_overlapped_step_refuses_what_it_cannot_wait_for(tmp_path):
     (errors,) = run_ranks(tmp_path, 1, refusals_job)
-    assert len(errors) == 4, errors
+    assert len(errors) == 7, errors
     assert "needs use_precision_aware_optimizer=True" in errors[0]
     assert "use offload_step='chunked'" in errors[1]
     assert "choose one" in errors[2]
     assert "needs the model chunks" in errors[3]
+    assert all("a replayed CUDA graph skips" in e for e in errors[4:]), errors[4:]
 
 
 def _check(rows) -> None:

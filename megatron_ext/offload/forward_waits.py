@@ -36,8 +36,8 @@ for the worker, order the compute stream after its copies, advance the step coun
 failure of the worker is raised at the first pre-hook that waits for a chunk it did not
 reach, and again at the landing, which marks the optimizer torn as the exact step does.
 Needs the precision-aware optimizer (without it megatron-core copies every main parameter to
-the model's right after the step) and refuses the delayed update (which overlaps more, one
-step late).
+the model's right after the step); refuses CUDA graphs (a replayed graph skips the
+pre-hooks) and the delayed update (which overlaps more, one step late).
 
 Why the gradients still cross to the host at the step, not per bucket during the backward
 pass: the host cannot update a chunk before the clip coefficient is known, after the

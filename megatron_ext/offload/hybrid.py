@@ -690,3 +690,17 @@ def _check_overlap_forward(child, chunked_step: bool, delayed_update: bool, mode
             "offload_overlap_forward needs the model chunks, to wait in their forward "
             "pass; pass model_chunks (megatron_ext.get_megatron_optimizer does)"
         )
+    for chunk in model_chunks:
+        cfg = getattr(chunk, "config", None)
+        graphs = getattr(cfg, "cuda_graph_impl", "none") or "none"
+        if (
+            graphs != "none"
+            or getattr(cfg, "enable_cuda_graph", False)
+            or getattr(cfg, "external_cuda_graph", False)
+        ):
+            raise ValueError(
+                "offload_overlap_forward waits in forward pre-hooks, which a replayed CUDA "
+                f"graph skips (cuda_graph_impl={graphs!r}): its forward could read parameters "
+                "the host update has not sent back; drop offload_overlap_forward or the CUDA "
+                "graphs"
+            )
