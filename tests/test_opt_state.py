@@ -154,16 +154,17 @@ def test_fp32_shards_become_leaves_during_construction_only():
 
 
 @pytest.mark.parametrize(
-    "host_mirrors,step,convert,delayed",
+    "host_mirrors,step,convert,delayed,overlap",
     [
-        (True, "per_parameter", "host", False),
-        (True, "chunked", "host", False),
-        (True, "chunked", "device", False),
-        (True, "chunked", "host", True),
-        (False, "per_parameter", "host", False),
+        (True, "per_parameter", "host", False, False),
+        (True, "chunked", "host", False, False),
+        (True, "chunked", "device", False, False),
+        (True, "chunked", "host", True, False),
+        (True, "chunked", "host", False, True),
+        (False, "per_parameter", "host", False, False),
     ],
 )
-def test_options_reach_every_child(monkeypatch, host_mirrors, step, convert, delayed):
+def test_options_reach_every_child(monkeypatch, host_mirrors, step, convert, delayed, overlap):
     from megatron_ext import MegatronOptions, offload
 
     attached = []
@@ -179,8 +180,10 @@ def test_options_reach_every_child(monkeypatch, host_mirrors, step, convert, del
         offload_delayed_update=delayed,
         offload_delay_warmup=3 if delayed else 10,
         offload_pin_threads=delayed,
+        offload_overlap_forward=overlap,
     )
-    enable_flat_norm(child, [Chunk(named, bufs)], options=options)
+    chunk = Chunk(named, bufs)
+    enable_flat_norm(child, [chunk], options=options)
     want = dict(
         chunked_step=step == "chunked",
         chunk_numel=99,
@@ -190,6 +193,8 @@ def test_options_reach_every_child(monkeypatch, host_mirrors, step, convert, del
         delay_warmup=3 if delayed else 10,
         sharing=1,  # no child of this one-child chain offloads: the cores are not divided
         pin_threads=delayed,
+        overlap_forward=overlap,
+        model_chunks=[chunk],
     )
     assert attached == ([(child, want)] if host_mirrors else [])
     assert child._flat.norm_clip.options is options
