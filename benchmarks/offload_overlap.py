@@ -85,11 +85,13 @@ PA = dict(use_precision_aware_optimizer=True)
 
 
 def configs(
-    fractions, thread_variants=None, pinned: bool = True
+    fractions, thread_variants=None, pinned: bool = True, overlap_threads=()
 ) -> list[tuple[str, dict, dict | None]]:
     """(label, OptimizerConfig overrides, MegatronOptions fields or None for stock);
     ``thread_variants``: the delayed worker's thread counts to measure at the first fraction
-    (None: every usable core); ``pinned``: also the default worker pinned there."""
+    (None: every usable core); ``pinned``: also the default worker pinned there;
+    ``overlap_threads``: the overlapped step's thread counts to measure there (its default:
+    torch's setting)."""
     delayed = dict(offload_step="chunked", offload_delayed_update=True, offload_delay_warmup=1)
     overlapped = dict(offload_step="chunked", offload_overlap_forward=True)
     out: list[tuple[str, dict, dict | None]] = [("gpu_resident", PA, {})]
@@ -112,6 +114,14 @@ def configs(
             out.append(
                 (f"delayed_offload_{f}_pinned", offload, delayed | {"offload_pin_threads": True})
             )
+        for n in overlap_threads:
+            out.append(
+                (
+                    f"overlapped_offload_{f}_threads_{n}",
+                    offload,
+                    overlapped | {"offload_threads": n},
+                )
+            )
     return out
 
 
@@ -130,7 +140,7 @@ def selected_configs(args) -> list[tuple[str, dict, dict | None]]:
     """:func:`configs` for the arguments, of the kinds ``--kinds`` names."""
     return [
         c
-        for c in configs(args.fractions, args.thread_variants, args.pinned)
+        for c in configs(args.fractions, args.thread_variants, args.pinned, args.overlap_threads)
         if kind_of(c[0]) in args.kinds
     ]
 
@@ -483,6 +493,11 @@ def parse_args(argv: list[str] | None):
         "(default: every usable core)",
     )  # fmt: skip
     ap.add_argument(
+        "--overlap-threads", type=int, nargs="*", default=[],
+        help="the overlapped step's thread counts also measured at the first fraction "
+        "(default: none; its own default is torch's setting)",
+    )  # fmt: skip
+    ap.add_argument(
         "--no-pinned", dest="pinned", action="store_false",
         help="leave out the delayed worker pinned off the launching thread's core (default: "
         "measured, at the first fraction)",
@@ -594,7 +609,7 @@ COLUMNS = [
     Column("worker ms", "worker_ms", lambda v: f"{v:.1f}", "on a worker: the host update's time"),
     Column("land wait ms", "land_wait_ms", lambda v: f"{v:.1f}", "on a worker: waited for it"),
     Column("d2h wait ms", "d2h_wait_ms", lambda v: f"{v:.1f}", "worker: waiting for grads"),
-    Column("threads", "worker_threads", str, "on a worker: its threads, at the last step"),
+    Column("threads", "worker_threads", str, "a worker's, at the last step (0: torch's)"),
     Column("peak GiB", "peak_gib", lambda v: f"{v:.2f}", "peak allocated while it ran"),
     Column("baseline GiB", "baseline_gib", lambda v: f"{v:.2f}", "allocated before it was built"),
     Column("status", "error", lambda v: str(v)[:60], "empty: ran"),

@@ -287,3 +287,14 @@ def test_every_configuration_has_a_kind_and_kinds_select_them():
     ]  # fmt: skip
     args = offload_overlap.parse_args(["--fractions", "1.0"])
     assert offload_overlap.selected_configs(args) == offload_overlap.configs([1.0])
+    args = offload_overlap.parse_args(
+        ["--kinds", "overlapped", "--fractions", "1.0", "0.5", "--overlap-threads", "7"]
+    )
+    got = {label: opts for label, _, opts in offload_overlap.selected_configs(args)}
+    assert list(got) == [
+        "overlapped_offload_1.0", "overlapped_offload_0.5", "overlapped_offload_1.0_threads_7",
+    ]  # fmt: skip
+    assert got["overlapped_offload_1.0_threads_7"] == got["overlapped_offload_1.0"] | {
+        "offload_threads": 7
+    }
+    assert "offload_threads" not in got["overlapped_offload_1.0"]
