@@ -365,3 +365,16 @@ def test_a_failing_overlapped_update_is_raised_where_the_forward_waits(cpu_strea
     model.hdo.load_state_dict(saved)
     model.hdo.step()
     assert model.hdo.drain()
+
+
+def test_a_views_bytes_span_its_extent_in_its_storage():
+    from megatron_ext.offload.forward_waits import device_bytes
+
+    base = torch.zeros(4, 6)
+    storage = base.untyped_storage().data_ptr()
+    assert device_bytes(base) == (storage, 0, 96)
+    assert device_bytes(base[1]) == (storage, 24, 48)
+    assert device_bytes(base.t()) == (storage, 0, 96)  # not contiguous: the same bytes
+    assert device_bytes(base[1:3, 2:4]) == (storage, (6 + 2) * 4, (2 * 6 + 4) * 4)
+    assert device_bytes(base[:, 5]) == (storage, 20, 96)
+    assert device_bytes(base[2:2]) == (storage, 48, 48)

@@ -60,9 +60,13 @@ if TYPE_CHECKING:
 
 
 def device_bytes(t: torch.Tensor) -> tuple[int, int, int]:
-    """(storage, first byte, end byte) of a contiguous view."""
+    """(storage, first byte, end byte) of the bytes a view may read: its extent in its
+    storage (all of it for a contiguous view; for another, from its first element to its
+    last, the gaps included)."""
     start = int(t.storage_offset()) * t.element_size()
-    return (t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size())
+    extent = 1 + sum((int(n) - 1) * abs(int(s)) for n, s in zip(t.shape, t.stride(), strict=True))
+    numel = 0 if t.numel() == 0 else extent
+    return (t.untyped_storage().data_ptr(), start, start + numel * t.element_size())
 
 
 class ChunkMap:
@@ -104,7 +108,7 @@ def _modules(model_chunks) -> list[torch.nn.Module]:
 
 
 def _own_params(module: torch.nn.Module) -> list[torch.Tensor]:
-    return [p for p in module.parameters(recurse=False) if p.is_contiguous()]
+    return list(module.parameters(recurse=False))
 
 
 def forward_keys(plan: ChunkedPlan, model_chunks) -> list[float]:
