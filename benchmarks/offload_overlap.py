@@ -32,7 +32,8 @@ backward themselves were slowed (a starved launching thread, copies competing fo
 For a delayed or overlapped row, ``worker``: the host update's wall time on its worker;
 ``land wait``: how long the next step waited for it (on the critical path when above
 zero); ``d2h wait``: how much of the worker's time went waiting for the gradients' copies
-to the host (the most that copying them earlier, during the backward pass, could save).
+to the host (the device finishing the backward pass, the norm and the clip before them
+included).
 
 ``--loss-steps N`` also trains N steps of each loss task (``--loss-tasks``; fraction 1.0,
 one micro-batch) from the same start on the same batches, four ways: ours exact and

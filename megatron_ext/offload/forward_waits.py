@@ -41,9 +41,10 @@ pre-hooks) and the delayed update (which overlaps more, one step late).
 
 Why the gradients still cross to the host at the step, not per bucket during the backward
 pass: the host cannot update a chunk before the clip coefficient is known, after the
-backward pass, and the copies already run ahead of the host update chunk by chunk; the
-worker's wait for them (:attr:`.chunked.LandedUpdate.d2h_wait_s`) is the most an earlier copy
-could save.
+backward pass, and the copies already run ahead of the host update chunk by chunk. The
+worker's wait for them (:attr:`.chunked.LandedUpdate.d2h_wait_s`) is mostly the device
+finishing the backward pass, the norm and the clip, which every chunk's update needs first:
+copying during the backward pass could save only the first chunk's copy out of it.
 """
 
 from __future__ import annotations
