@@ -267,6 +267,22 @@ def _grads_of(model: Model, gen: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
+def fail_at_the_second_update(monkeypatch):
+    """ChunkedAdamW.update raises at its second call from now; returns the real one."""
+    from megatron_ext.offload.step import ChunkedAdamW
+
+    real, calls = ChunkedAdamW.update, []
+
+    def failing(self, chunk, copies=None):
+        calls.append(chunk)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real(self, chunk, copies)
+
+    monkeypatch.setattr(ChunkedAdamW, "update", failing)
+    return real
+
+
 def test_a_failing_host_update_is_raised_at_the_next_step(cpu_streams, monkeypatch):
     """An error on the host worker leaves no copy in flight, is raised where the update
     would land, and the optimizer then refuses to step until a checkpoint is loaded."""
@@ -278,16 +294,7 @@ def test_a_failing_host_update_is_raised_at_the_next_step(cpu_streams, monkeypat
     model.set_grads(_grads_of(model, gen), 0)
     model.hdo.step()  # exact
     saved = copy.deepcopy(model.hdo.state_dict())
-    real = ChunkedAdamW.update
-    calls = []
-
-    def failing(self, chunk, copies=None):
-        calls.append(chunk)
-        if len(calls) == 2:
-            raise RuntimeError("injected failure")
-        return real(self, chunk, copies)
-
-    monkeypatch.setattr(ChunkedAdamW, "update", failing)
+    real = fail_at_the_second_update(monkeypatch)
     model.set_grads(_grads_of(model, gen), 1)
     model.hdo.step()  # launched; the worker fails on its second chunk
     model.set_grads(_grads_of(model, gen), 2)

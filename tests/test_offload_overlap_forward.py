@@ -25,7 +25,7 @@ from tests.test_megatron_cpu_reshard import adam_path
 pytest.importorskip("megatron.core")
 
 H, LAYERS, BATCH, STEPS = 64, 4, 8, 4
-SLEEP_S = 0.01  # per chunk of the overlapped run's host update
+SLEEP_S = 0.02  # per chunk of the overlapped run's host update
 
 
 class Layer(torch.nn.Module):
@@ -305,6 +305,7 @@ def test_the_forward_pass_may_not_read_before_its_chunks_came_back(cpu_streams):
     model = _sim(1.0)
     model.set_grads(_grads_of(model, torch.Generator().manual_seed(1)), 0)
     model.hdo.step()
+    model.hdo._in_flight.thread.join()  # every copy back issued, none waited for
     with pytest.raises(OrderError, match="forward pass reads parameters before"):
         cpu_streams.forward_reads()
     model.hdo.drain()
@@ -334,22 +335,14 @@ def test_a_failing_overlapped_update_is_raised_where_the_forward_waits(cpu_strea
     """The forward pass's wait for a chunk the worker did not reach raises; the landing
     raises the worker's error; the optimizer then refuses to step until a load."""
     from megatron_ext.offload.step import ChunkedAdamW
-    from tests.test_offload_delayed import _grads_of
+    from tests.test_offload_delayed import _grads_of, fail_at_the_second_update
 
     model = _sim(1.0)
     gen = torch.Generator().manual_seed(1)
     model.set_grads(_grads_of(model, gen), 0)
     model.hdo.step()
     saved = copy.deepcopy(model.hdo.state_dict())
-    real, calls = ChunkedAdamW.update, []
-
-    def failing(self, chunk, copies=None):
-        calls.append(chunk)
-        if len(calls) == 2:
-            raise RuntimeError("injected failure")
-        return real(self, chunk, copies)
-
-    monkeypatch.setattr(ChunkedAdamW, "update", failing)
+    real = fail_at_the_second_update(monkeypatch)
     model.set_grads(_grads_of(model, gen), 1)
     model.hdo.step()
     model.hdo.await_chunk(0)  # the chunk it updated

@@ -298,13 +298,17 @@ def launch_delayed(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan, ready=None
     # the next iteration zeroes the gradient buffer on the compute stream: not before the
     # copies have read it (the host does not wait for them before it returns)
     compute.wait_stream(hdo._d2h_stream)
-    flight = InFlightUpdate(plan, hdo.cpu_threads, hdo.worker_cpus)
+    return _start(hdo, InFlightUpdate(plan, hdo.cpu_threads, hdo.worker_cpus))
+
+
+def _start(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> InFlightUpdate:
+    """The GPU-resident part stepped, then ``flight``'s worker started."""
     try:
         if hdo.gpu_optimizer is not None:
             hdo.gpu_optimizer.step()
             flight.gpu_stepped = True
     except BaseException:  # no copy left in flight: the host may reuse the staging
-        for event in plan.events:
+        for event in flight.plan.events:
             event.synchronize()
         raise
     flight.start()
@@ -321,17 +325,7 @@ def launch_overlapped(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> InFl
     # the next iteration zeroes the gradient buffer on the compute stream: not before the
     # copies have read it
     compute.wait_stream(hdo._d2h_stream)
-    flight = InFlightUpdate(plan, hdo.cpu_threads, copies_back=hdo._h2d_stream)
-    try:
-        if hdo.gpu_optimizer is not None:
-            hdo.gpu_optimizer.step()
-            flight.gpu_stepped = True
-    except BaseException:  # no copy left in flight: the host may reuse the staging
-        for event in plan.events:
-            event.synchronize()
-        raise
-    flight.start()
-    return flight
+    return _start(hdo, InFlightUpdate(plan, hdo.cpu_threads, copies_back=hdo._h2d_stream))
 
 
 class LandedUpdate(NamedTuple):
