@@ -283,10 +283,22 @@ def fail_at_the_second_update(monkeypatch):
     return real
 
 
+def refuses_until_loaded(model: Model, monkeypatch, real, saved) -> None:
+    """After a host update failed part way, the optimizer refuses to step; with ``real``
+    ChunkedAdamW.update back and ``saved`` loaded, it steps and lands again."""
+    from megatron_ext.offload.step import ChunkedAdamW
+
+    with pytest.raises(RuntimeError, match="failed part way .*load the last checkpoint"):
+        model.hdo.step()
+    monkeypatch.setattr(ChunkedAdamW, "update", real)
+    model.hdo.load_state_dict(saved)
+    model.hdo.step()
+    assert model.hdo.drain()
+
+
 def test_a_failing_host_update_is_raised_at_the_next_step(cpu_streams, monkeypatch):
     """An error on the host worker leaves no copy in flight, is raised where the update
     would land, and the optimizer then refuses to step until a checkpoint is loaded."""
-    from megatron_ext.offload.step import ChunkedAdamW
 
     model = Model(True, 1.0)
     model.hdo.delay_warmup = 1
@@ -301,12 +313,7 @@ def test_a_failing_host_update_is_raised_at_the_next_step(cpu_streams, monkeypat
     with pytest.raises(RuntimeError, match="injected failure"):
         model.hdo.step()
     assert all(cpu_streams.known_done(op) for op in cpu_streams.copies)
-    with pytest.raises(RuntimeError, match="failed part way .*load the last checkpoint"):
-        model.hdo.step()
-    monkeypatch.setattr(ChunkedAdamW, "update", real)
-    model.hdo.load_state_dict(saved)
-    model.hdo.step()
-    assert model.hdo.drain()
+    refuses_until_loaded(model, monkeypatch, real, saved)
 
 
 def test_load_state_dict_drops_the_update_in_flight(cpu_streams):

@@ -334,8 +334,11 @@ def test_state_dict_and_load_state_dict_land_or_drop_the_overlapped_update(cpu_s
 def test_a_failing_overlapped_update_is_raised_where_the_forward_waits(cpu_streams, monkeypatch):
     """The forward pass's wait for a chunk the worker did not reach raises; the landing
     raises the worker's error; the optimizer then refuses to step until a load."""
-    from megatron_ext.offload.step import ChunkedAdamW
-    from tests.test_offload_delayed import _grads_of, fail_at_the_second_update
+    from tests.test_offload_delayed import (
+        _grads_of,
+        fail_at_the_second_update,
+        refuses_until_loaded,
+    )
 
     model = _sim(1.0)
     gen = torch.Generator().manual_seed(1)
@@ -352,12 +355,7 @@ def test_a_failing_overlapped_update_is_raised_where_the_forward_waits(cpu_strea
     with pytest.raises(RuntimeError, match="injected failure"):
         model.hdo.step()
     assert all(cpu_streams.known_done(op) for op in cpu_streams.copies if "d2h" in op.what)
-    with pytest.raises(RuntimeError, match="failed part way .*load the last checkpoint"):
-        model.hdo.step()
-    monkeypatch.setattr(ChunkedAdamW, "update", real)
-    model.hdo.load_state_dict(saved)
-    model.hdo.step()
-    assert model.hdo.drain()
+    refuses_until_loaded(model, monkeypatch, real, saved)
 
 
 def test_a_views_bytes_span_its_extent_in_its_storage():

@@ -369,14 +369,13 @@ def land(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> None:
     _finish(hdo, plan)
 
 
-def reorder(plan: ChunkedPlan, keys) -> ChunkedPlan:
-    """``plan`` with its chunks updated (and their copies issued) in ascending ``keys``
-    order (one key per chunk, in the plan's order; ties keep it). Each element's update
-    reads and writes only that element, so any order gives the same bits."""
-    perm = sorted(range(len(plan.copies)), key=lambda j: keys[j])
+def reorder(plan: ChunkedPlan, order) -> ChunkedPlan:
+    """``plan`` with its chunks updated (and their copies issued) in ``order`` (the
+    positions of its chunks, each once). Each element's update reads and writes only that
+    element, so any order gives the same bits."""
     return plan._replace(
-        copies=[plan.copies[j] for j in perm],
-        events=[plan.events[j] for j in perm],
-        order=[plan.order[j] for j in perm],
-        landed=[plan.landed[j] for j in perm],
+        copies=[plan.copies[j] for j in order],
+        events=[plan.events[j] for j in order],
+        order=[plan.order[j] for j in order],
+        landed=[plan.landed[j] for j in order],
     )

@@ -55,8 +55,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .chunked import ChunkedPlan, reorder
+
 if TYPE_CHECKING:
-    from .chunked import ChunkedPlan
     from .hybrid import HostMirrorHybridOptimizer
 
 
@@ -112,21 +113,6 @@ def _own_params(module: torch.nn.Module) -> list[torch.Tensor]:
     return list(module.parameters(recurse=False))
 
 
-def forward_keys(plan: ChunkedPlan, model_chunks) -> list[float]:
-    """Per chunk of ``plan`` (in its order), the index in the model's parameter order
-    (modules in order, each one's own parameters) of the first parameter it holds; chunks
-    no module parameter overlaps last."""
-    cmap = ChunkMap(plan)
-    keys = [float("inf")] * cmap.count
-    index = 0
-    for module in _modules(model_chunks):
-        for p in _own_params(module):
-            for position in cmap.positions([device_bytes(p)]):
-                keys[position] = min(keys[position], index)
-            index += 1
-    return keys
-
-
 def _shard_bytes(group) -> list[tuple[int, int, int]]:
     """This rank's shard of each bucket of a megatron-core bucket group: what its
     parameter all-gather sends."""
@@ -151,32 +137,46 @@ def bucket_groups(model_chunks) -> list[Any]:
 
 class ForwardWaits:
     """The pre-hooks and all-gather waits of one optimizer's overlapped exact step (see the
-    note above), installed once on the model chunks; what each waits for is worked out
-    again whenever the step's plan is rebuilt (:meth:`plan_changed`)."""
+    note above), installed once on the model chunks; the chunks' order and what each waits
+    for are worked out again whenever the step's plan is rebuilt (:meth:`arrange`)."""
 
     def __init__(self, hdo: HostMirrorHybridOptimizer, model_chunks: Sequence[Any]):
         self.hdo = hdo
-        self.model_chunks = list(model_chunks)
-        self.modules = [m for m in _modules(self.model_chunks) if _own_params(m)]
-        self.groups = bucket_groups(self.model_chunks)
+        # the modules holding parameters, in the model's order
+        self.modules = [m for m in _modules(model_chunks) if _own_params(m)]
+        self.groups = bucket_groups(model_chunks)
         # per module (by id) and bucket group (by id): the last position it waits for
         self.needs: dict[int, int] = {}
-        self.handles = [m.register_forward_pre_hook(self._pre_hook) for m in self.modules]
+        for m in self.modules:
+            m.register_forward_pre_hook(self._pre_hook)
         for group in self.groups:
             self._wrap(group)
 
-    def plan_changed(self, plan: ChunkedPlan) -> None:
+    def arrange(self, plan: ChunkedPlan) -> ChunkedPlan:
+        """``plan`` with its chunks in the order the forward pass first reads them (by the
+        index, in the model's parameter order, of the first parameter each holds; chunks no
+        module parameter overlaps last), and what each module and bucket group waits for
+        in that order."""
         cmap = ChunkMap(plan)
-        needs = {}
+        keys = [float("inf")] * cmap.count
+        held: dict[int, list[int]] = {}  # per module and bucket group: its chunks' positions
+        index = 0
         for m in self.modules:
-            found = cmap.positions([device_bytes(p) for p in _own_params(m)])
-            if found:
-                needs[id(m)] = max(found)
+            for p in _own_params(m):
+                found = cmap.positions([device_bytes(p)])
+                for position in found:
+                    keys[position] = min(keys[position], index)
+                if found:
+                    held.setdefault(id(m), []).extend(found)
+                index += 1
         for group in self.groups:
             found = cmap.positions(_shard_bytes(group))
             if found:
-                needs[id(group)] = max(found)
-        self.needs = needs
+                held[id(group)] = found
+        order = sorted(range(cmap.count), key=keys.__getitem__)
+        moved = {old: new for new, old in enumerate(order)}
+        self.needs = {k: max(moved[q] for q in found) for k, found in held.items()}
+        return reorder(plan, order)
 
     def _pre_hook(self, module, args) -> None:
         need = self.needs.get(id(module))

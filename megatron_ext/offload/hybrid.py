@@ -49,10 +49,9 @@ from .chunked import (
     land,
     launch_delayed,
     launch_overlapped,
-    reorder,
     run_exact,
 )
-from .forward_waits import ForwardWaits, forward_keys
+from .forward_waits import ForwardWaits
 from .host_mirror import BufferMirror, HostBlock
 from .mirror_plan import copy_schedule, itemsize
 from .moment_dtypes import offload_moment_dtypes
@@ -343,8 +342,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             waits = self._forward_waits if self.overlap_forward else None
             if plan is not None and waits is not None:
                 # the chunks the next forward pass reads first are updated first
-                plan = reorder(plan, forward_keys(plan, waits.model_chunks))
-                waits.plan_changed(plan)
+                plan = waits.arrange(plan)
             self._chunked, self._chunked_for = plan, sizes
         return self._chunked
 
