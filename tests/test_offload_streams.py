@@ -38,3 +38,58 @@ def test_recording_streams_order_copies_events_waits_and_reads(monkeypatch):
     late = torch.cuda.Stream()  # never told to wait for the compute stream
     with torch.cuda.stream(late), pytest.raises(streams.OrderError, match="queued before"):
         log.device_copy("d2h", streams.host_bytes(host), to_host=True)
+
+
+def _fresh_class():
+    """A class of the chunked host-mirror step no test has built yet."""
+    from tests.support.offload_sim import MirrorChunked
+
+    class Fresh(MirrorChunked):
+        pass
+
+    return Fresh
+
+
+def test_the_trace_sees_the_step_of_a_class_built_before_it(monkeypatch):
+    """torch puts its profiler hook on the first class of a kind that is built
+    (``Optimizer._patch_step_function``); built before the trace, that hook shadows a trace
+    of the parent's ``step``. The trace still sees every step."""
+    from tests.support.offload_sim import recording_streams, train
+
+    fresh = _fresh_class()
+    with pytest.MonkeyPatch.context() as untraced:
+        streams.install(untraced)
+        train(fresh, True, 1.0, 1)
+    assert "step" in fresh.__dict__  # torch's hook, on the class itself
+    log = recording_streams(monkeypatch)
+    train(fresh, True, 1.0, 2)
+    assert log.steps == 2 and log.checks > 0
+
+
+def test_a_class_built_under_a_trace_keeps_none_of_it():
+    """A class first built during a traced test gets no hook wrapping that test's trace,
+    which would send a later test's steps to the earlier log and none to its own."""
+    from tests.support.offload_sim import recording_streams, train
+
+    fresh = _fresh_class()
+    logs = []
+    for steps in (1, 2):
+        with pytest.MonkeyPatch.context() as traced:
+            logs.append(recording_streams(traced))
+            train(fresh, True, 1.0, steps)
+    assert [log.steps for log in logs] == [1, 2]
+
+
+def test_a_copy_outside_any_traced_step_is_an_error(monkeypatch):
+    """The host-mirror copies are traced only to be checked against the step's start and
+    end: issued while no traced step has begun, they raise instead of passing unchecked."""
+    from megatron_ext.offload import HostMirrorHybridOptimizer
+    from tests.support.offload_sim import recording_streams, train
+
+    log = recording_streams(monkeypatch)
+    fresh = _fresh_class()
+    # a step this trace does not see: as a shadowing subclass's would be
+    monkeypatch.setattr(fresh, "step", HostMirrorHybridOptimizer._step)
+    with pytest.raises(streams.OrderError, match="before any traced optimizer step"):
+        train(fresh, True, 1.0, 1)
+    assert log.steps == 0

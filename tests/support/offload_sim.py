@@ -35,14 +35,26 @@ def trace_host_mirrors(monkeypatch, log: streams.Log) -> None:
     """Every host-mirror copy and host access of the offload code checked against ``log``."""
     hb = streams.host_bytes
 
+    def traced_step_began(what: str) -> None:
+        # every host-mirror copy is issued by a step, or by landing one: a copy before any
+        # step began means the step's trace was shadowed, and with it the checks of the
+        # step's start and end
+        if not log.steps:
+            raise streams.OrderError(
+                f"{what} issued before any traced optimizer step began: the step is not "
+                "traced (see step_classes)"
+            )
+
     def start_d2h(self):
         dst, src = self.d2h
+        traced_step_began(f"d2h of {dst.numel()} elements")
         log.device_copy(f"d2h of {dst.numel()} elements", hb(dst), to_host=True)
         for stage, _, _, _ in self.islands:
             log.device_copy(f"island d2h of {stage.numel()}", hb(stage), to_host=True)
         real_d2h(self)
 
     def start_h2d(self):
+        traced_step_began(f"h2d of {self.h2d[1].numel()} elements")
         log.device_copy(f"h2d of {self.h2d[1].numel()} elements", hb(self.h2d[1]), to_host=False)
         real_h2d(self)
 
@@ -96,10 +108,29 @@ def trace_host_mirrors(monkeypatch, log: streams.Log) -> None:
             finally:
                 depth[0] -= 1
 
+        # torch.optim.Optimizer wraps ``type(self).step`` in its profiler hook when an
+        # instance is built, unless what it finds is marked ``hooked``: marked, no class
+        # built during this test gets a wrapper of this trace that outlives it
+        step.hooked = True  # type: ignore[attr-defined]
         return step
 
-    for cls in (HybridDeviceOptimizer, HostMirrorHybridOptimizer):
+    for cls in step_classes():
         monkeypatch.setattr(cls, "step", traced(cls.__dict__["step"]))
+
+
+def step_classes() -> list[type]:
+    """Every class of the offload optimizer's family that defines ``step`` itself:
+    megatron-core's and ours, and each subclass torch's profiler hook was put on
+    (``Optimizer._patch_step_function`` writes it on the first class of a kind that is
+    built, where it shadows a trace of the parent's ``step``)."""
+    found: list[type] = []
+    todo = [HybridDeviceOptimizer]
+    while todo:
+        cls = todo.pop()
+        if "step" in cls.__dict__ and cls not in found:
+            found.append(cls)
+        todo += cls.__subclasses__()
+    return found
 
 
 def recording_streams(monkeypatch) -> streams.Log:

@@ -116,6 +116,7 @@ class Log:
     copies: list[Op] = field(default_factory=list)  # every device<->host copy issued
     compute: Stream | None = None
     checks: int = 0  # accesses checked (a test can assert the checker ran)
+    steps: int = 0  # optimizer steps begun (a test can assert the step was traced)
     # the current stream is per thread, as CUDA's is (a worker thread's stream context does
     # not change the launching thread's); the compute stream where none was set
     _local: threading.local = field(default_factory=threading.local)
@@ -168,6 +169,7 @@ class Log:
         self.checks += 1
 
     def step_begins(self) -> None:
+        self.steps += 1
         self.compute.push("work before the step")
 
     def step_ends(self, overlapped: bool = False) -> None:
