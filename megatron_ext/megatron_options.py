@@ -65,6 +65,18 @@ class MegatronOptions(BufferOptions):
             same bits as the exact step. Parameters are read elsewhere only after the next
             step or :func:`megatron_ext.drain_offload`. Not with ``offload_delayed_update``.
             [Note: the overlapped exact step] in :mod:`megatron_ext.offload.forward_waits`.
+        offload_fraction: ``"auto"``: with CPU offload, the smallest
+            ``optimizer_offload_fraction`` (in steps of 0.01) whose GPU-resident optimizer
+            state fits in the GPU memory free once the model and its gradient buffers are
+            built, less ``offload_gpu_headroom``; it replaces the config's fraction (the
+            optimizer's ``config`` says which). None: the config's fraction.
+        offload_gpu_headroom: with ``offload_fraction="auto"``, bytes of GPU memory kept for
+            activations and everything else the step allocates (measure a step's peak).
+        offload_host_bytes: with CPU offload, the host memory this rank's offloaded optimizer
+            may take, in bytes; None reads what the host has (``MemAvailable`` and cgroup
+            limits, divided among the ``LOCAL_WORLD_SIZE`` ranks on it). Where what it needs
+            is more, building refuses in one line before allocating anything
+            ([Note: offload memory] in :mod:`megatron_ext.offload.host_memory`).
     """
 
     host_mirrors: bool = True
@@ -76,6 +88,9 @@ class MegatronOptions(BufferOptions):
     offload_delay_warmup: int = 10
     offload_pin_threads: bool = False
     offload_overlap_forward: bool = False
+    offload_fraction: str | None = None
+    offload_gpu_headroom: int | None = None
+    offload_host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -135,6 +150,23 @@ class MegatronOptions(BufferOptions):
                 f"offload_threads={threads!r}; expected None (torch's setting) or a positive "
                 "int (threads for the CPU optimizer step)"
             )
+        if self.offload_fraction not in (None, "auto"):
+            raise ValueError(
+                f"offload_fraction={self.offload_fraction!r}; expected 'auto' or None (a number "
+                "goes in OptimizerConfig.optimizer_offload_fraction)"
+            )
+        headroom = self.offload_gpu_headroom
+        if (self.offload_fraction == "auto") != (headroom is not None):
+            raise ValueError(
+                "offload_fraction='auto' and offload_gpu_headroom (bytes of GPU memory kept "
+                "for activations) go together; pass both or neither"
+            )
+        for name in ("offload_gpu_headroom", "offload_host_bytes"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0
+            ):
+                raise ValueError(f"{name}={value!r}; expected None or a number of bytes >= 0")
         if not isinstance(self.offload_chunk_numel, int) or self.offload_chunk_numel <= 0:
             raise ValueError(
                 f"offload_chunk_numel={self.offload_chunk_numel!r}; expected a positive int "

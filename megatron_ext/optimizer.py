@@ -20,6 +20,7 @@ from .flat_optimizer import FlatNormOptimizer
 from .flat_state import FlatNormState
 from .global_param_norms import global_param_names
 from .megatron_options import MegatronOptions
+from .offload import host_memory
 from .opt_checkpoint import (
     align_group_order,
     create_state_before_loading,
@@ -74,6 +75,10 @@ def get_megatron_optimizer(
             "some model chunks have per_dtype_grad_buffers=True and some do not; wrap every "
             "chunk in megatron_ext.DistributedDataParallel with the same ddp_config"
         )
+    options = MegatronOptions() if options is None else options
+    if getattr(config, "optimizer_cpu_offload", False):
+        # the fraction ("auto"), then host and GPU memory, before megatron-core allocates
+        config = host_memory.check_before_build(config, model_chunks, options)
     with _fp32_shards_as_leaves():
         opt = seam.target("get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
     return enable_flat_norm(opt, model_chunks, options=options)
