@@ -23,12 +23,15 @@ one without a compiler).
 a backward that gives every parameter a gradient (``loss.backward(retain_graph=True)`` of a
 fixed graph with one node per parameter), ``fgb.zero_()`` against torch's
 ``opt.zero_grad()``: what the torch loop's ``zero_()`` costs the host, its hooks included
-(they point each ``.grad`` at its view when backward reaches it).
+(they point each ``.grad`` at its view when backward reaches it). ``check`` (``many_small``
+only): the check every norm, clip and count runs first, alone (each ``.grad`` compared with
+what the buffers expect, one C-level pass over the parameters): its ratio is to ours'
+steady norm, of which it is part.
 
 Record fields: inventory, dtype, num_params, numel, threads, busy, variant (ours,
-ours_torch_ops, torch), op (norm, clip, first, zero_backward), rounds, time_s, time_spread,
-time_rounds_s, ratio (ours / torch for norm, clip and zero_backward; first / ours' steady
-norm for first), rel_err (norm only), error, error_at.
+ours_torch_ops, torch), op (norm, clip, first, zero_backward, check), rounds, time_s,
+time_spread, time_rounds_s, ratio (ours / torch for norm, clip and zero_backward; over ours'
+steady norm for first and check), rel_err (norm only), error, error_at.
 """
 
 from __future__ import annotations
@@ -202,6 +205,8 @@ def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, ro
     }
     if inventory == "many_small":
         calls |= _zero_backward_calls(inventory, args, dtype)
+        # the per-call check alone (private: no public call runs it without a norm)
+        calls[("ours", "check")] = fgb._check_bound
     records = []
     saved = torch.get_num_threads()
     try:
@@ -232,7 +237,7 @@ def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, ro
                         rec["rel_err"] = rel_err[key[0]]
                     rows[key] = rec
                 for (variant, op), rec in rows.items():
-                    other = ("torch", op) if op != "first" else ("ours", "norm")
+                    other = ("ours", "norm") if op in ("first", "check") else ("torch", op)
                     if variant.startswith("ours") and "time_s" in rec and "time_s" in rows[other]:
                         rec["ratio"] = rec["time_s"] / rows[other]["time_s"]
                 records += rows.values()
@@ -274,7 +279,7 @@ COLUMNS = [
     common.Column("ms", "time_s", common.show_ms, "fastest round's median, wall clock"),
     common.Column("spread", "time_spread", lambda v: f"{v:.0%}", "(slowest-fastest)/fastest"),
     common.Column(
-        "ratio", "ratio", lambda v: f"{v:.2f}", "ours/torch; for first: first/steady norm"
+        "ratio", "ratio", lambda v: f"{v:.2f}", "ours/torch; first, check: over steady norm"
     ),
     common.Column("rel_err", "rel_err", lambda v: f"{v:.1e}", "norm against fp64"),
 ]

@@ -1,28 +1,40 @@
 """Each parameter's ``.grad`` bound to its view of a flat buffer, and what breaks a binding.
 
 A norm over the flat buffers is the norm of the gradients only while every trained
-parameter's ``.grad`` is its view. That breaks when ``.grad`` is set to None or reassigned,
-when the model is converted after the buffers were built (``model.half()`` replaces each
-``.grad``'s storage), when a parameter frozen at build starts training, when the model is
-re-created (the old parameters are freed: they are held weakly here), when torch DDP with
-``gradient_as_bucket_view=True`` moves ``.grad`` into its buckets, or after ``close()``.
+parameter's ``.grad`` is its view. Some changes are taken as torch would take them;
+others cannot be, and are reported.
 
+[Note: gradients set to None or replaced]
 As torch's ``zero_grad()`` does, :meth:`BindingWatch.zeroed` sets every ``.grad`` to None, so
 a torch optimizer skips a parameter that gets no gradient before its step (no momentum, no
 weight decay). A hook on each parameter points ``.grad`` at its (zero) view when autograd
-is about to accumulate its next gradient, so backward still accumulates in place. Which
-None is ours and which is someone else's is told by a generation count: ``zeroed()``
-advances it, and a parameter whose ``.grad`` was pointed at its view in the current
-generation and is None again was cleared by someone else (``zero_grad(set_to_none=True)``,
-``.grad = None``) while its view still holds that gradient: reported, never re-bound.
-[Note: gradients set to None between steps]
+is about to accumulate its next gradient, so backward still accumulates in place.
+``BindingWatch.expected`` says, per parameter, what its ``.grad`` must be: its view once a
+gradient went there since the last zeroing, else None. Anything else was done by someone
+else, and gets torch's meaning at the next norm, clip or count (:meth:`BindingWatch.check`,
+which compares every ``.grad`` with ``expected`` in one C-level pass, O(parameters)):
 
-None of that is checked per parameter per step. The same hooks notice a broken binding
-during the backward that would write the gradient elsewhere; a weak reference notices
-a freed parameter; each call checks one parameter per buffer (O(buffers), which catches a
-whole-model conversion or ``zero_grad(set_to_none=True)`` before any backward); and
-:meth:`BindingWatch.check_all` walks every parameter where the caller asks for it. What
-broke and what to do is worked out only when there is something to report.
+- ``.grad`` set to None while its view holds a gradient (``p.grad = None``, torch's
+  ``zero_grad()``): the view is zeroed, so the norm and the clip leave that parameter out
+  and the optimizer skips it, as torch's would. A backward before that call leaves ``.grad``
+  to torch (a new tensor, as torch starts one), taken in as below.
+- ``.grad`` replaced by another tensor (``p.grad = p.grad * 0.1``): it is copied into the
+  view and ``.grad`` points at the view again, so the norm counts and the clip scales what
+  the parameter holds. A backward before that call accumulates into that tensor, as torch's.
+
+Until that call the view keeps what it held, so a gradient kept by reference
+(``g = p.grad; p.grad = None``) is intact until the next norm, clip, count or ``zero_()``,
+which reuse its memory; keep a ``clone()`` to hold it longer.
+
+Reported instead (:class:`GradientOutsideBufferError`, naming the parameter): a gradient
+with an autograd graph of its own (``backward(create_graph=True)``: a copy would cut its
+graph), the model converted after the buffers were built (``model.half()``: the hook raises
+in the backward that would write a gradient of the new dtype), a parameter frozen at build
+that starts training, the model re-created (the old parameters are freed: they are held
+weakly here), torch DDP with ``gradient_as_bucket_view=True`` moving ``.grad`` into its
+buckets, ``.grad.data`` replaced, or ``close()``. Each call also checks one parameter per
+buffer for a conversion (a whole-model ``model.half()`` before any backward); what broke
+and what to do is worked out only when there is something to report.
 """
 
 from __future__ import annotations
@@ -183,13 +195,12 @@ class BindingWatch:
         self.closed = False
         self.hooks: list = []
         self._finalizer = weakref.finalize(self, _remove_hooks, self.hooks)
-        # [Note: gradients set to None between steps]. Per binding, in binding order: the
-        # generation in which its .grad was last pointed at its view; its weak parameter
-        # and its view, so that zeroed() sets every .grad without a Python loop.
-        self.generation = 0
-        self.bound_in: list[int] = []
+        # [Note: gradients set to None or replaced]. Per binding, in binding order: its weak
+        # parameter, its view, and what its .grad must be (the view or None), so that the
+        # per-call check and zeroed() walk them without a Python loop.
         self.refs: list[weakref.ref] = []
         self.views: list[torch.Tensor] = []
+        self.expected: list[torch.Tensor | None] = []
 
     # --- building -------------------------------------------------------------------------
 
@@ -207,27 +218,26 @@ class BindingWatch:
 
         def attach(grad: torch.Tensor) -> None:
             # Runs just before autograd accumulates into .grad (one hook per parameter and
-            # backward, which also checks the binding): a None .grad becomes the view (zero
-            # since zeroed()), so the accumulation lands in the buffer.
+            # backward): a .grad that is None since zeroed() becomes the (zero) view, so the
+            # accumulation lands in the buffer. One that someone else set to None or
+            # replaced is left to torch, and taken in at the next call.
             watch = mine()
             if watch is None:
                 return
             q = ref()
-            if q is None:  # the parameter is gone; its hook with it
+            if q is None or binding.taken:  # gone (its hook with it), or another's now
                 return
+            if q.dtype is not binding.dtype or q.shape != binding.shape or q.device != device:
+                # converted: the view's dtype would be refused by torch without a name
+                watch.broken[pid] = None
+                raise GradientOutsideBufferError(watch.message(pid))
             now = q.grad
             if now is None:
-                if binding.taken:
-                    return
-                if watch.bound_in[index] == watch.generation:
-                    watch.broken[pid] = None  # cleared by someone else: the view is stale
-                    return
-                q.grad = view
-                watch.bound_in[index] = watch.generation
-            elif now.data_ptr() != root.data_ptr() + offset:
-                watch.broken[pid] = None
-            if torch.is_grad_enabled():  # create_graph=True: autograd adds out of place
-                watch.broken[pid] = None
+                if watch.expected[index] is None:
+                    q.grad = view
+                    watch.expected[index] = view
+            elif now is view and view.data_ptr() != root.data_ptr() + offset:
+                watch.broken[pid] = None  # .grad.data replaced
 
         def freed(_ref, pid=pid) -> None:
             watch = mine()
@@ -239,13 +249,14 @@ class BindingWatch:
 
         self.hooks.append(p.register_hook(attach))
         ref = weakref.ref(p, freed)
-        binding = Binding(name, pid, ref, p.dtype, p.shape, p.device, view, root, offset, index)
+        device = p.device
+        binding = Binding(name, pid, ref, p.dtype, p.shape, device, view, root, offset, index)
         self.refs.append(ref)
         self.views.append(view)
         if p.grad is not None:
             view.copy_(p.grad)
         p.grad = view
-        self.bound_in.append(self.generation)
+        self.expected.append(view)
         self.bindings[pid] = binding
 
     def claim(self) -> int:
@@ -289,10 +300,10 @@ class BindingWatch:
             self.hooks.append(_hook_on_frozen(p, received))
         self.outsiders[pid] = (weakref.ref(p), name, reason)
 
-    def outsider_message(self, pid: int) -> str:
-        """The report for one watched outsider, on its own."""
-        _, name, reason = self.outsiders[pid]
-        return Problem(True, reason).render([name])
+    def message(self, pid: int) -> str:
+        """The report for one broken binding or watched outsider, on its own."""
+        name, problem = self.diagnose(pid, bucket_view_param_ids)
+        return "" if problem is None else problem.render([name])
 
     def undo(self, grads: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         """Put back ``(parameter, .grad)`` pairs and remove every hook (a failed build)."""
@@ -303,18 +314,22 @@ class BindingWatch:
     def zeroed(self, set_to_none: bool) -> None:
         """After the buffers were zeroed: every ``.grad`` None, or its (zero) view.
 
-        One C-level pass (``map``), no Python loop over the parameters; raises what
-        :meth:`rebind` raises for a binding that cannot be repaired.
+        One C-level pass (``map``), no Python loop over the parameters. Raises for what
+        setting ``.grad`` cannot repair (a conversion, a freed parameter, ...); a ``.grad``
+        set to None or replaced needs nothing: it is set like every other.
         """
-        if not self.intact():  # usually intact: no per-parameter work per step
-            self.scan()  # find every escaped gradient, not only the sampled one
-            self.rebind()
-        self.generation += 1
+        if self.broken or self.closed or not self._samples_bound():
+            self.scan()
+            self._raise_problems(fatal_only=True)
         params = map(operator.call, self.refs)  # all alive: a freed one raised above
         grads = itertools.repeat(None) if set_to_none else self.views
-        collections.deque(map(setattr, params, itertools.repeat("grad"), grads), maxlen=0)
-        if not set_to_none:
-            self.bound_in = [self.generation] * len(self.bound_in)
+        try:
+            collections.deque(map(setattr, params, itertools.repeat("grad"), grads), maxlen=0)
+        except RuntimeError:  # torch refuses the view of a converted parameter: name it
+            self.scan()
+            self._raise_problems(fatal_only=True)
+            raise
+        self.expected = [None] * len(self.views) if set_to_none else list(self.views)
 
     def pick_samples(self) -> None:
         """Check one parameter per buffer on every call: the first of each dtype."""
@@ -326,10 +341,22 @@ class BindingWatch:
 
     # --- checking -------------------------------------------------------------------------
 
-    def intact(self) -> bool:
-        """The per-call check: nothing reported broken, and each sample still bound."""
-        if self.broken or self.closed:
-            return False
+    def check(self) -> None:
+        """The per-call check: every ``.grad`` as expected, or taken in as torch would.
+
+        One C-level pass over the ``.grad`` of every parameter (identity with
+        ``expected``), plus one parameter per buffer for a conversion. Otherwise: what
+        :meth:`settle` does.
+        """
+        if (
+            self.broken
+            or self.closed
+            or not all(map(operator.is_, map(_GRAD, map(operator.call, self.refs)), self.expected))
+            or not self._samples_bound()
+        ):
+            self.settle()
+
+    def _samples_bound(self) -> bool:
         for b in self.samples:
             if self._escaped(b):
                 self.broken[b.pid] = None
@@ -337,20 +364,46 @@ class BindingWatch:
         return True
 
     def _escaped(self, b: Binding) -> bool:
-        """Whether ``b``'s gradient is not where the norm reads it (its view)."""
+        """Whether ``b``'s ``.grad`` is not what :attr:`expected` says (its view or None)."""
         p = b.ref()
         if p is None or b.taken:
             return True
-        grad = p.grad
-        if grad is None:  # no gradient yet unless one was accumulated since zeroed()
-            return self.bound_in[b.index] == self.generation
-        return grad.data_ptr() != b.ptr or p.dtype != b.dtype
+        if p.dtype is not b.dtype or p.shape != b.shape or p.device != b.device:
+            return True
+        # None: no gradient since zeroed() unless its view took one; the view where None
+        # was expected: put back by hand, taken in as bound
+        return p.grad is not self.expected[b.index] or (
+            p.grad is not None and p.grad.data_ptr() != b.ptr
+        )
 
-    def check_all(self) -> None:
-        """Every parameter, once (``check_bindings``); raises what :meth:`raise_broken` does."""
+    def settle(self) -> None:
+        """Take every ``.grad`` set to None or replaced in as torch would, or raise.
+
+        One pass over the parameters. Raises ``GradientOutsideBufferError`` (touching
+        nothing) if any binding broke in a way that cannot be taken in; otherwise each
+        ``.grad`` set to None has its view zeroed, and each replaced one is copied into its
+        view, which ``.grad`` is again ([Note: gradients set to None or replaced]).
+        """
         self.scan()
-        if not self.intact():
-            self.raise_broken()
+        self._raise_problems(fatal_only=False)
+        with torch.no_grad():
+            for pid in self.broken:
+                self._take_in(self.bindings[pid])
+        self.broken.clear()
+
+    def _take_in(self, b: Binding) -> None:
+        p = b.ref()
+        if p is None:  # freed: raised before, as a problem
+            return
+        grad = p.grad
+        if grad is None:
+            b.view.zero_()  # left out of the norm and the clip, and skipped by the step
+            self.expected[b.index] = None
+            return
+        if grad is not b.view:
+            b.view.copy_(grad)
+            p.grad = b.view
+        self.expected[b.index] = b.view
 
     def scan(self) -> None:
         """Mark every broken binding, one pass over the parameters."""
@@ -368,11 +421,12 @@ class BindingWatch:
 
     # --- reporting ------------------------------------------------------------------------
 
-    def diagnose(self, pid: int, wrapped: Callable[[], set[int]]) -> tuple[str, Problem]:
+    def diagnose(self, pid: int, wrapped: Callable[[], set[int]]) -> tuple[str, Problem | None]:
         """``(name, problem)`` for a broken binding, the name as a report shows it.
 
-        ``wrapped``: :func:`bucket_view_param_ids`, memoised by the caller (one walk of
-        the garbage collector's objects per report, not per parameter).
+        ``problem`` is None for a ``.grad`` set to None or replaced, which :meth:`settle`
+        takes in. ``wrapped``: :func:`bucket_view_param_ids`, memoised by the caller (one
+        walk of the garbage collector's objects per report, not per parameter).
         """
         if pid in self.outsiders:
             _, name, reason = self.outsiders[pid]
@@ -401,8 +455,8 @@ class BindingWatch:
                 True,
                 f"parameter {{names}} changed from {_describe(was, now)} to "
                 f"{_describe(now, was)} after these FlatGradBuffers were built (model.half(), "
-                ".double(), .to(...)?), so its gradient is no longer in their buffers: convert "
-                "the model first, then build a new FlatGradBuffers",
+                ".double(), .to(...)?), so its gradient can no longer live in their buffers: "
+                "convert the model first, then build a new FlatGradBuffers",
             )
         if b.view.data_ptr() != b.ptr:
             return name, Problem(
@@ -412,57 +466,65 @@ class BindingWatch:
                 "after changing the model",
             )
         grad = p.grad
-        if grad is not None and grad._base is not None and id(p) in wrapped():
+        if grad is None or grad is b.view:
+            return name, None
+        if grad._base is not None and id(p) in wrapped():
             return name, Problem(
                 True,
                 "the gradient of {names} was moved into a bucket of torch "
                 "DistributedDataParallel (gradient_as_bucket_view=True), where these buffers "
                 f"cannot see it: {BUCKET_VIEW_FIX}",
             )
-        return name, Problem(
-            False,
-            "the gradient of {names} no longer lives in its flat buffer (was .grad set to "
-            "None, e.g. by zero_grad(set_to_none=True), or reassigned?), so the norm would "
-            "miss it. Zero gradients with FlatGradBuffers.zero_() (or "
-            "zero_grad(set_to_none=False)) instead; zero_() also re-binds them",
-        )
-
-    def report(self) -> str:
-        """What broke, one line per cause (those ``zero_()`` cannot repair first)."""
-        wrapped = functools.cache(bucket_view_param_ids)
-        causes: dict[Problem, list[str]] = {}
-        # names in the order the parameters were given, then as outsiders were found
-        order = {pid: i for i, pid in enumerate([*self.bindings, *self.outsiders])}
-        for pid in sorted(self.broken, key=order.__getitem__):
-            name, problem = self.diagnose(pid, wrapped)
-            causes.setdefault(problem, []).append(name)
-        ordered = sorted(causes.items(), key=lambda c: not c[0].fatal)
-        lines = [problem.render(names) for problem, names in ordered[:MAX_CAUSES]]
-        if len(ordered) > MAX_CAUSES:
-            rest = sum(len(names) for _, names in ordered[MAX_CAUSES:])
-            others = len(ordered) - MAX_CAUSES
-            lines.append(
-                f"and {rest} more parameter{'s' * (rest > 1)} with "
-                f"{'another cause' if others == 1 else f'{others} other causes'}: "
-                "fgb.check_bindings() reports them once these are fixed"
+        if grad.requires_grad:
+            return name, Problem(
+                False,
+                "the gradient of {names} has an autograd graph of its own (backward with "
+                "create_graph=True, where autograd adds out of place, or a .grad assigned "
+                "from a tensor that requires grad), which a copy into the flat buffer would "
+                "cut: take higher-order gradients with torch.autograd.grad(..., "
+                "create_graph=True) instead, or assign a detached tensor; zero_() re-binds it",
             )
-        return "\n".join(lines)
+        return name, None
 
-    def raise_broken(self) -> None:
+    def _raise_problems(self, fatal_only: bool) -> None:
+        """Raise for the broken bindings (after :meth:`scan`) that cannot be taken in, or
+        with ``fatal_only`` for those ``zero_()`` cannot repair (and then forget the rest)."""
         if self.closed:
             raise GradientOutsideBufferError(
                 "these FlatGradBuffers were closed (close(), or the end of their with block): "
                 "their hooks are gone, so a gradient set to None or replaced since would be "
                 "missed without a word: build a new FlatGradBuffers"
             )
-        raise GradientOutsideBufferError(self.report())
-
-    def rebind(self) -> None:
-        """Forget repairable breaks (:meth:`zeroed` sets every ``.grad``), or raise."""
         wrapped = functools.cache(bucket_view_param_ids)
-        if self.closed or any(self.diagnose(pid, wrapped)[1].fatal for pid in self.broken):
-            self.raise_broken()
-        self.broken.clear()
+        causes: dict[Problem, list[str]] = {}
+        # names in the order the parameters were given, then as outsiders were found
+        order = {pid: i for i, pid in enumerate([*self.bindings, *self.outsiders])}
+        for pid in sorted(self.broken, key=order.__getitem__):
+            name, problem = self.diagnose(pid, wrapped)
+            if problem is not None:
+                causes.setdefault(problem, []).append(name)
+        if any(problem.fatal or not fatal_only for problem in causes):
+            raise GradientOutsideBufferError(_report(causes))
+        if fatal_only:
+            self.broken.clear()
+
+
+def _report(causes: dict[Problem, list[str]]) -> str:
+    """What broke, one line per cause (those ``zero_()`` cannot repair first)."""
+    ordered = sorted(causes.items(), key=lambda c: not c[0].fatal)
+    lines = [problem.render(names) for problem, names in ordered[:MAX_CAUSES]]
+    if len(ordered) > MAX_CAUSES:
+        rest = sum(len(names) for _, names in ordered[MAX_CAUSES:])
+        others = len(ordered) - MAX_CAUSES
+        lines.append(
+            f"and {rest} more parameter{'s' * (rest > 1)} with "
+            f"{'another cause' if others == 1 else f'{others} other causes'}: "
+            "fgb.check_bindings() reports them once these are fixed"
+        )
+    return "\n".join(lines)
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 def _describe(this: tuple, other: tuple) -> str:

@@ -199,9 +199,12 @@ class FlatGradBuffers:
         self.close()
 
     def _check_bound(self) -> None:
-        """O(number of buffers): raise if a binding broke (see :mod:`buffers.bindings`)."""
-        if not self._watch.intact():
-            self._watch.raise_broken()
+        """Every ``.grad`` its view, or taken in as torch would take it, or an error.
+
+        One C-level pass over the parameters' ``.grad`` per call ([Note: gradients set to
+        None or replaced] in :mod:`buffers.bindings`).
+        """
+        self._watch.check()
 
     @property
     def nbytes(self) -> int:
@@ -219,16 +222,19 @@ class FlatGradBuffers:
         return b.view
 
     def check_bindings(self) -> None:
-        """Verify every ``.grad`` is still its view (one pass over parameters; not per step).
+        """Verify every binding (one Python pass over the parameters; not per step).
 
-        Also finds what the per-call check (one parameter per buffer) and the backward hooks
-        cannot see before the next backward: a ``.grad`` changed without a backward, part
-        of a model converted (``submodule.half()``), or a parameter with a gradient added
-        to the model where torch's registration hooks do not run (``ModuleList.insert``).
+        A ``.grad`` set to None or replaced is taken in as every norm, clip or count takes
+        it (its view zeroed, or the new tensor copied into it). Also finds what the
+        per-call check (every ``.grad``'s identity, one parameter per buffer's dtype) and
+        the backward hooks cannot see before the next backward: part of a model converted
+        (``submodule.half()``), a ``.grad.data`` replaced, or a parameter with a gradient
+        added to the model where torch's registration hooks do not run
+        (``ModuleList.insert``). Raises ``GradientOutsideBufferError`` naming them.
         """
         if self._modules is not None and not self._watch.closed:
             self._modules.scan()
-        self._watch.check_all()
+        self._watch.settle()
 
     def zero_(self, set_to_none: bool = True) -> None:
         """Zero every buffer (padding included) and reset every ``.grad``, as ``zero_grad()``.
@@ -482,7 +488,7 @@ class FlatGradBuffers:
                 )
                 outsider = watch.outsiders.get(id(q))
                 if q.requires_grad and outsider is not None and outsider[0]() is q:
-                    raise ValueError(f"{where}: {watch.outsider_message(id(q))}")
+                    raise ValueError(f"{where}: {watch.message(id(q))}")
                 if q.requires_grad:
                     raise ValueError(
                         f"{where} is not in these FlatGradBuffers, so the norm would not count "

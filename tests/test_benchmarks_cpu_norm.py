@@ -21,6 +21,7 @@ def test_cpu_norm_rows_and_accuracy(tmp_path):
     ops = {(v, o) for v in ("ours", "ours_torch_ops", "torch") for o in ("norm", "clip")}
     ops.add(("ours", "first"))
     zero = {("many_small", b, v, "zero_backward") for b in (0, 1) for v in ("ours", "torch")}
+    zero |= {("many_small", b, "ours", "check") for b in (0, 1)}
     assert keys == {(i, b, v, o) for i in script.INVENTORIES for b in (0, 1) for v, o in ops} | zero
     for r in records:
         assert "error" not in r, r
@@ -29,6 +30,11 @@ def test_cpu_norm_rows_and_accuracy(tmp_path):
         if r["op"] == "norm" and r["variant"] != "torch":
             assert abs(r["rel_err"]) < 2e-7  # fp32 accumulation; torch's is bf16's
     assert {r["num_params"] for r in records} == {150, 40}
+    by_key = {(r["inventory"], r["busy"], r["variant"], r["op"]): r for r in records}
+    for busy in (0, 1):  # the check's ratio is to ours' own norm, not to torch's
+        check = by_key["many_small", busy, "ours", "check"]
+        norm = by_key["many_small", busy, "ours", "norm"]
+        assert check["ratio"] == check["time_s"] / norm["time_s"]
     # ours_torch_ops runs with the kernel off, and leaves the setting as it found it
     from buffers import native
 
