@@ -11,6 +11,7 @@ a value that is not valid is an error there.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -36,6 +37,14 @@ class BufferOptions:
     graph_collectives: bool = True
 
     def __post_init__(self) -> None:
+        # every switch, a subclass's too: a truthy string ("no") must not turn one on
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in ("bool", bool) and not isinstance(value, bool):
+                raise TypeError(
+                    f"{type(self).__name__}({field.name}={value!r}): expected True or False, "
+                    f"not a {type(value).__name__}"
+                )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
 

@@ -167,7 +167,8 @@ class MegatronOptions(BufferOptions):
                 not isinstance(value, int) or isinstance(value, bool) or value < 0
             ):
                 raise ValueError(f"{name}={value!r}; expected None or a number of bytes >= 0")
-        if not isinstance(self.offload_chunk_numel, int) or self.offload_chunk_numel <= 0:
+        numel = self.offload_chunk_numel
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel <= 0:
             raise ValueError(
                 f"offload_chunk_numel={self.offload_chunk_numel!r}; expected a positive int "
                 "(elements per chunk, e.g. 4 * 2**20)"

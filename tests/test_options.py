@@ -6,6 +6,8 @@ import torch
 from buffers import BufferOptions, FlatGradBuffers, graphs, ops
 from megatron_ext import MegatronOptions
 
+pytestmark = pytest.mark.mcore
+
 
 def test_defaults_and_validation():
     o = BufferOptions()
@@ -14,6 +16,34 @@ def test_defaults_and_validation():
         BufferOptions(backend="cuda")
     assert MegatronOptions().host_mirrors is True
     assert MegatronOptions(host_mirrors=False, backend="torch").backend == "torch"
+
+
+SWITCHES = {
+    BufferOptions: ["cuda_graphs", "graph_collectives"],
+    MegatronOptions: [
+        "cuda_graphs",
+        "host_mirrors",
+        "offload_delayed_update",
+        "offload_pin_threads",
+        "offload_overlap_forward",
+    ],
+}
+
+
+@pytest.mark.parametrize("bad", ["no", 0, 1, None])
+@pytest.mark.parametrize("kind", SWITCHES)
+def test_a_switch_that_is_not_a_bool_is_refused(kind, bad):
+    # "no" is truthy: it would have turned the switch on
+    for name in SWITCHES[kind]:
+        with pytest.raises(TypeError, match=rf"^{kind.__name__}\({name}={bad!r}\): expected True"):
+            kind(**{name: bad})
+    assert kind(**dict.fromkeys(SWITCHES[kind], False)) is not None
+
+
+def test_offload_chunk_numel_is_an_int_not_a_bool():
+    with pytest.raises(ValueError, match="offload_chunk_numel=True"):
+        MegatronOptions(offload_chunk_numel=True)
+    assert MegatronOptions(offload_chunk_numel=1).offload_chunk_numel == 1
 
 
 def test_environment_variables_override_the_options(monkeypatch):
