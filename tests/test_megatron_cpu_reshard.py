@@ -31,6 +31,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.support import offload_internals
 from tests.test_megatron_cpu import (
     BF16,
     CLIP,
@@ -48,6 +49,8 @@ from tests.test_megatron_cpu import (
     skip_unless_the_device_serves,
     to_model,
 )
+
+pytestmark = pytest.mark.mcore
 
 pytest.importorskip("megatron.core")
 skip_unless_the_device_serves()
@@ -179,7 +182,7 @@ def snapshot(model, opt) -> dict:
         inner=[type(c.optimizer).__name__ for c in chain],
         host_mirrors=sum(len(getattr(c.optimizer, "host_mirrors", ())) for c in chain),
         cpu_params=sum(len(getattr(c.optimizer, "cpu_copys_map_gpu_param", ())) for c in chain),
-        chunked=[getattr(c.optimizer, "_chunked", None) is not None for c in chain],
+        chunked=[offload_internals.chunked_built(c.optimizer) for c in chain],
     )
 
 

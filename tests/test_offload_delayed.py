@@ -28,6 +28,8 @@ from tests.support.offload_sim import (
     sim,
 )
 
+pytestmark = pytest.mark.mcore
+
 BF16, FP32 = torch.bfloat16, torch.float32
 BETAS, EPS = (0.9, 0.95), 1e-8
 
@@ -172,7 +174,7 @@ def test_delayed_update_equals_adamw_applied_one_step_late(cpu_streams, fraction
     ref = Reference(model, delayed=True, warmup=MirrorDelayed.delay_warmup)
     assert any(ref.late.values()) and (fraction == 1.0) == all(ref.late.values())
     run(model, ref, range(8), skip={5})
-    assert model.hdo._in_flight is not None
+    assert offload_internals.in_flight(model.hdo) is not None
     assert model.hdo.drain() and not model.hdo.drain()
     ref.land()
     assert_device(model, ref, "drained")
@@ -228,9 +230,9 @@ def test_state_dict_drains_and_a_resumed_run_continues_bit_for_bit(cpu_streams, 
     model = Model(True, fraction)
     ref = Reference(model, delayed=True, warmup=MirrorDelayed.delay_warmup)
     gen = run(model, ref, range(5))
-    assert model.hdo._in_flight is not None
+    assert offload_internals.in_flight(model.hdo) is not None
     saved = copy.deepcopy(model.hdo.state_dict())  # the live tensors go on changing
-    assert model.hdo._in_flight is None
+    assert offload_internals.in_flight(model.hdo) is None
     ref.land()
     assert_device(model, ref, "saved")
     params = (model.bf16.param_data.clone(), model.fp32.param_data.clone())
@@ -246,7 +248,9 @@ def test_state_dict_drains_and_a_resumed_run_continues_bit_for_bit(cpu_streams, 
     for step in range(5, 9):
         resumed.set_grads(_grads_of(resumed, gen), step)
         resumed.hdo.step()
-    assert resumed.hdo._in_flight is not None  # delayed at once: the warm-up is behind
+    assert (
+        offload_internals.in_flight(resumed.hdo) is not None
+    )  # delayed at once: the warm-up is behind
     for m in (model, resumed):
         m.hdo.drain()
     for n in model.inner:
@@ -328,16 +332,16 @@ def test_load_state_dict_drops_the_update_in_flight(cpu_streams):
     before = {n: model.device(n).clone() for n in model.inner}
     model.set_grads(_grads_of(model, gen), 1)
     model.hdo.step()
-    assert model.hdo._in_flight is not None
+    assert offload_internals.in_flight(model.hdo) is not None
     model.hdo.load_state_dict(saved)
-    assert model.hdo._in_flight is None
+    assert offload_internals.in_flight(model.hdo) is None
     assert not model.hdo.drain()
     for n in model.inner:  # nothing landed on the device
         assert torch.equal(model.device(n), before[n]), n
     steps = {float(s["step"]) for s in model.hdo.state.values() if "step" in s}
     assert steps == {1.0}
     model.hdo.step()  # from the loaded state, past the warm-up: delayed
-    assert model.hdo._in_flight is not None
+    assert offload_internals.in_flight(model.hdo) is not None
 
 
 def test_drain_offload_lands_every_child(cpu_streams):

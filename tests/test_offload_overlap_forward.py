@@ -19,8 +19,12 @@ import time
 import pytest
 import torch
 
+from megatron_ext.offload.chunked import OverlappedUpdate
+from tests.support import offload_internals
 from tests.test_megatron_cpu import BF16, CLIP, LR, rank_device, run_ranks, to_model
 from tests.test_megatron_cpu_reshard import adam_path
+
+pytestmark = pytest.mark.mcore
 
 pytest.importorskip("megatron.core")
 
@@ -142,8 +146,8 @@ def overlap_loop_job(rank, world, log, out_dir, fraction, gather):
                 ok, norm, _ = opt.step()
                 row[name] = (loss.detach().clone(), grads, ok, float(norm))
             (hdo,) = [c.optimizer for c in ours_opt.chained_optimizers]
-            row["in_flight"] = hdo._in_flight is not None
-            row["chunks"] = len(hdo._chunked.copies)
+            row["in_flight"] = offload_internals.in_flight(hdo) is not None
+            row["chunks"] = len(offload_internals.chunked(hdo).copies)
             out.append(row)
         megatron_ext.drain_offload(ours_opt)
         # the forward of the step after the last: only once its update has ended
@@ -265,14 +269,14 @@ def _sim(fraction: float):
         overlap_forward = True
 
     model = Model(True, fraction, cls=MirrorOverlap)
-    model.hdo._forward_waits = ForwardWaits(model.hdo, [])
+    offload_internals.set_forward_waits(model.hdo, ForwardWaits(model.hdo, []))
     return model
 
 
 def _forward(model, log) -> None:
     """What a forward pass over every parameter waits for, in update order; then it reads."""
-    flight = model.hdo._in_flight
-    assert flight is not None and flight.copies_back is not None
+    flight = offload_internals.in_flight(model.hdo)
+    assert isinstance(flight, OverlappedUpdate)
     for position in range(len(flight.plan.copies)):
         model.hdo.await_chunk(position)
     log.forward_reads()
@@ -292,7 +296,7 @@ def test_the_simulated_overlapped_step_orders_its_copies_and_equals_adamw(cpu_st
         model.hdo.step()
         _forward(model, cpu_streams)
         assert_device(model, ref, step)
-    assert model.hdo.drain() and model.hdo._in_flight is None
+    assert model.hdo.drain() and offload_internals.in_flight(model.hdo) is None
     assert_state(model, ref)
     assert cpu_streams.checks > 0
 
@@ -305,7 +309,7 @@ def test_the_forward_pass_may_not_read_before_its_chunks_came_back(cpu_streams):
     model = _sim(1.0)
     model.set_grads(_grads_of(model, torch.Generator().manual_seed(1)), 0)
     model.hdo.step()
-    model.hdo._in_flight.thread.join()  # every copy back issued, none waited for
+    offload_internals.in_flight(model.hdo).thread.join()  # every copy back issued, none waited for
     with pytest.raises(OrderError, match="forward pass reads parameters before"):
         cpu_streams.forward_reads()
     model.hdo.drain()
@@ -320,12 +324,12 @@ def test_state_dict_and_load_state_dict_land_or_drop_the_overlapped_update(cpu_s
     model.set_grads(_grads_of(model, gen), 0)
     model.hdo.step()
     saved = copy.deepcopy(model.hdo.state_dict())  # lands it: every step it counts
-    assert model.hdo._in_flight is None
+    assert offload_internals.in_flight(model.hdo) is None
     assert {float(s["step"]) for s in saved["state"].values() if "step" in s} == {1.0}
     model.set_grads(_grads_of(model, gen), 1)
     model.hdo.step()
     model.hdo.load_state_dict(saved)
-    assert model.hdo._in_flight is None and not model.hdo.drain()
+    assert offload_internals.in_flight(model.hdo) is None and not model.hdo.drain()
     # what loads the parameters on the compute stream comes after the worker's copies back
     cpu_streams.forward_reads()
     assert {float(s["step"]) for s in model.hdo.state.values() if "step" in s} == {1.0}
@@ -369,3 +373,46 @@ def test_a_views_bytes_span_its_extent_in_its_storage():
     assert device_bytes(base[1:3, 2:4]) == (storage, (6 + 2) * 4, (2 * 6 + 4) * 4)
     assert device_bytes(base[:, 5]) == (storage, 20, 96)
     assert device_bytes(base[2:2]) == (storage, 48, 48)
+
+
+class _BucketGroup:
+    """A stand-in for megatron-core's bucket group: only what the waits wrap."""
+
+    def start_param_sync(self, *args, **kwargs):
+        return "gathered"
+
+
+def test_a_second_optimizers_waits_replace_the_first_ones_and_free_it(cpu_streams):
+    """Waits installed for a second optimizer on the same model chunk take the first one's
+    pre-hooks and all-gather wrapper off (one set, not two stacked), and hold nothing that
+    keeps the first optimizer or its host mirrors alive; freeing an optimizer takes its
+    waits off the model."""
+    import gc
+    import weakref
+
+    from megatron_ext.offload.forward_waits import ForwardWaits
+
+    chunk = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    group = _BucketGroup()
+    chunk.bucket_groups = [group]
+
+    def hooks() -> list[int]:
+        return [len(m._forward_pre_hooks) for m in chunk]
+
+    first = _sim(1.0)
+    ForwardWaits(first.hdo, [chunk])
+    assert hooks() == [1, 1] and "start_param_sync" in group.__dict__
+    first_mirror = weakref.ref(first.hdo.host_mirrors[0].staging)
+    second = _sim(1.0)
+    second_waits = ForwardWaits(second.hdo, [chunk])
+    assert hooks() == [1, 1]
+    # the group's wait is the second's own, over the class's method (not over the first's)
+    assert group.start_param_sync() == "gathered"
+    assert group.__dict__["start_param_sync"].__closure__ is not None
+    assert second_waits.wrapped == [(group, None)]
+    del first
+    gc.collect()
+    assert first_mirror() is None, "the first optimizer's host mirror is still alive"
+    del second, second_waits
+    gc.collect()
+    assert hooks() == [0, 0] and "start_param_sync" not in group.__dict__

@@ -9,6 +9,8 @@ import torch
 
 from tests.support import streams
 
+pytestmark = pytest.mark.mcore
+
 
 def test_recording_streams_order_copies_events_waits_and_reads(monkeypatch):
     """The stand-ins the offload tests run on: copy -> event -> synchronize -> read passes;
@@ -93,3 +95,27 @@ def test_a_copy_outside_any_traced_step_is_an_error(monkeypatch):
     with pytest.raises(streams.OrderError, match="before any traced optimizer step"):
         train(fresh, True, 1.0, 1)
     assert log.steps == 0
+
+
+@pytest.mark.parametrize("step", ["per_parameter", "chunked", "delayed"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["mcore_no_overlap", "mcore_overlap"])
+def test_every_copy_runs_on_the_offloads_own_streams(monkeypatch, step, overlap):
+    """Whatever megatron-core's overlap_cpu_optimizer_d2h_h2d says (without it, its copy
+    streams are the compute stream), the gradients go to the host on one stream of the
+    offload's own and the parameters come back on another, neither the compute stream."""
+    from tests.support.offload_sim import MirrorChunked, MirrorPlaced, recording_streams, train
+
+    class Delayed(MirrorChunked):
+        delayed_update = True
+
+    cls = {"per_parameter": MirrorPlaced, "chunked": MirrorChunked, "delayed": Delayed}[step]
+    log = recording_streams(monkeypatch)
+    _, _, hdo, _ = train(cls, True, 0.5, 3, overlap=overlap)
+    hdo.drain()
+    to_host = {op.stream for op in log.copies if op.what.startswith(("d2h", "island d2h"))}
+    to_device = {op.stream for op in log.copies if op.what.startswith("h2d")}
+    streams = hdo.offload.streams
+    assert (to_host, to_device) == ({streams.to_host}, {streams.to_device})
+    assert log.compute not in (streams.to_host, streams.to_device)
+    assert streams.to_host is not streams.to_device
+    assert (hdo._d2h_stream is log.compute) == (not overlap)  # megatron-core's own, unused

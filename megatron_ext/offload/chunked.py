@@ -1,6 +1,9 @@
 """CPU offload through host mirrors, the chunked step's driver: the plan built once (per
 mirror one :class:`~.step.ChunkedAdamW`, per chunk its copies and its device-to-host
-event) and the two ways of running it, exact and delayed.
+event) and the three ways of running it (:class:`~.offload_state.OffloadMode`): exact,
+delayed, and overlapped ([Note: the overlapped exact step] in :mod:`.forward_waits`). Every
+copy runs on the offload's own streams ([Note: the offload copy streams] in
+:mod:`.offload_state`).
 
 [Note: the delayed offloaded update]
 The exact chunked step runs in series with the GPU: the device waits for the host update
@@ -82,11 +85,12 @@ def build_chunked_plan(hdo: HostMirrorHybridOptimizer) -> ChunkedPlan:
         for p in g["params"]
     }
     # the offload optimizer's group each per-parameter optimizer's group was made from
-    family = {(id(opt), j): i for opt, j, i in hdo._group_pairs}
+    family = {(id(opt), j): i for opt, j, i in hdo.offload.group_pairs}
     steppers: list[ChunkedAdamW] = []
     copies: list[HostBlock] = []
     order: list[tuple[int, int]] = []
-    for k, (m, params) in enumerate(zip(hdo.host_mirrors, hdo._mirror_params, strict=True)):
+    state = hdo.offload
+    for k, (m, params) in enumerate(zip(state.mirrors, state.mirror_params, strict=True)):
         entries = [
             HostParam(cpu, local, *where[cpu], family=family[id(where[cpu][0]), where[cpu][1]])
             for cpu, local in params
@@ -117,22 +121,23 @@ def build_chunked_plan(hdo: HostMirrorHybridOptimizer) -> ChunkedPlan:
 
 def _begin(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan, ready=None) -> torch.cuda.Stream:
     """Hyperparameters read, counters prepared, every chunk's device-to-host copy issued on
-    the copy stream after the compute stream's work so far (or, given ``ready``, after the
-    compute stream's work up to that event); returns the compute stream."""
+    the ``to_host`` stream after the compute stream's work so far (or, given ``ready``,
+    after the compute stream's work up to that event); returns the compute stream."""
     hdo._sync_hdo_param_groups_to_sub_optimizers()
     for stepper in plan.steppers:
         stepper.begin()
     compute = torch.cuda.current_stream()
+    streams = hdo.offload.streams
     if ready is None:
-        hdo._d2h_stream.wait_stream(compute)
+        streams.to_host.wait_stream(compute)
     else:
-        hdo._d2h_stream.wait_event(ready)
+        streams.to_host.wait_event(ready)
     if plan.shared_staging:  # the staging may still be read by copies back issued before
-        hdo._d2h_stream.wait_stream(hdo._h2d_stream)
-    with torch.cuda.stream(hdo._d2h_stream):
+        streams.to_host.wait_stream(streams.to_device)
+    with torch.cuda.stream(streams.to_host):
         for chunk, event in zip(plan.copies, plan.events, strict=True):
             chunk.start_d2h()
-            event.record(hdo._d2h_stream)
+            event.record(streams.to_host)
     return compute
 
 
@@ -167,8 +172,9 @@ def run_exact(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> None:
     step refuses to run again until a checkpoint is loaded.
     """
     compute = _begin(hdo, plan)
+    to_device = hdo.offload.streams.to_device
     # the device parameters may still be read by work queued before this step
-    hdo._h2d_stream.wait_stream(compute)
+    to_device.wait_stream(compute)
     waited = 0
     try:
         for j, ((k, i), chunk, event) in enumerate(
@@ -179,9 +185,9 @@ def run_exact(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> None:
             event.synchronize()
             waited += 1
             plan.steppers[k].update(i, chunk)
-            with torch.cuda.stream(hdo._h2d_stream):
+            with torch.cuda.stream(to_device):
                 chunk.start_h2d()
-                plan.landed[j].record(hdo._h2d_stream)
+                plan.landed[j].record(to_device)
         # after the CPU part: a CPU failure leaves the GPU part untouched too
         if hdo.gpu_optimizer is not None:
             hdo.gpu_optimizer.step()
@@ -189,18 +195,18 @@ def run_exact(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> None:
         # no copy left in flight: the host may free or reuse the staging
         for event in plan.events[waited:]:
             event.synchronize()
-        hdo._h2d_stream.synchronize()
-        hdo._torn = _torn_message(plan, gpu_stepped=False)
+        to_device.synchronize()
+        hdo.offload.torn = _torn_message(plan, gpu_stepped=False)
         raise
     finally:  # later device work is ordered after the copies back already issued
-        hdo._order_after_copies_back(compute)
+        hdo.offload.streams.order_after_copies_back(compute)
     _finish(hdo, plan)
 
 
 @dataclass
 class InFlightUpdate:
-    """A host update running on its worker thread: a delayed step's (see the note above),
-    or an overlapped exact step's (``copies_back``: [Note: the overlapped exact step])."""
+    """A host update running on its worker thread (the base of :class:`DelayedUpdate` and
+    :class:`OverlappedUpdate`, one per mode that runs one)."""
 
     plan: ChunkedPlan
     threads: int | None
@@ -211,12 +217,8 @@ class InFlightUpdate:
     seconds: float = 0.0  # the worker's wall time, once it has ended
     started: float = 0.0  # time.perf_counter() when it started
     d2h_wait_s: float = 0.0  # of which waiting for the gradients' copies to the host
-    # the worker sends each chunk's parameters back (on this stream) as soon as it has
-    # updated the chunk, and counts it in ``done``; None: the landing sends them all
-    copies_back: torch.cuda.Stream | None = None
-    done: int = 0  # chunks updated (and, with copies_back, their copy back issued)
+    done: int = 0  # chunks updated (and, for an overlapped step, their copy back issued)
     ended: bool = False
-    awaited: int = -1  # with copies_back: the compute stream waits for chunks up to this
 
     thread: threading.Thread = field(init=False)
     progress: threading.Condition = field(init=False, default_factory=threading.Condition)
@@ -251,10 +253,7 @@ class InFlightUpdate:
                     self.waited += 1
                     landed.synchronize()  # the last copy back out of these bytes
                     self.plan.steppers[k].update(i, chunk)
-                    if self.copies_back is not None:
-                        with torch.cuda.stream(self.copies_back):
-                            chunk.start_h2d()
-                            landed.record(self.copies_back)
+                    self.updated(chunk, landed)
                     with self.progress:
                         self.done += 1
                         self.progress.notify_all()
@@ -265,6 +264,36 @@ class InFlightUpdate:
             with self.progress:
                 self.ended = True
                 self.progress.notify_all()
+
+    def updated(self, chunk: HostBlock, landed) -> None:
+        """What the worker does once it has updated ``chunk``, before counting it."""
+
+    def wait(self) -> None:
+        """Until the worker has ended, and every copy it had not waited for has too."""
+        self.thread.join()
+        for event in self.plan.events[self.waited :]:
+            event.synchronize()
+
+
+@dataclass
+class DelayedUpdate(InFlightUpdate):
+    """A delayed step's host update ([Note: the delayed offloaded update]): the landing
+    sends its parameters back."""
+
+
+@dataclass
+class OverlappedUpdate(InFlightUpdate):
+    """An overlapped exact step's host update ([Note: the overlapped exact step]): the
+    worker sends each chunk's parameters back on ``copies_back`` as soon as it has updated
+    the chunk; the forward pass waits for them per module."""
+
+    copies_back: torch.cuda.Stream | None = None  # the offload's to_device stream
+    awaited: int = -1  # the compute stream waits for the chunks up to this one
+
+    def updated(self, chunk: HostBlock, landed) -> None:
+        with torch.cuda.stream(self.copies_back):
+            chunk.start_h2d()
+            landed.record(self.copies_back)
 
     def await_chunk(self, position: int) -> None:
         """Until the worker has updated the chunk at ``position`` (in update order) and
@@ -279,14 +308,8 @@ class InFlightUpdate:
                 "next optimizer step or drain_offload"
             ) from self.error
 
-    def wait(self) -> None:
-        """Until the worker has ended, and every copy it had not waited for has too."""
-        self.thread.join()
-        for event in self.plan.events[self.waited :]:
-            event.synchronize()
 
-
-def launch_delayed(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan, ready=None) -> InFlightUpdate:
+def launch_delayed(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan, ready=None) -> DelayedUpdate:
     """Step t of the delayed update: gradients to the host, the GPU-resident part stepped,
     the host update started on a worker (the caller has landed step t-1's).
 
@@ -297,11 +320,11 @@ def launch_delayed(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan, ready=None
     compute = _begin(hdo, plan, ready)
     # the next iteration zeroes the gradient buffer on the compute stream: not before the
     # copies have read it (the host does not wait for them before it returns)
-    compute.wait_stream(hdo._d2h_stream)
-    return _start(hdo, InFlightUpdate(plan, hdo.cpu_threads, hdo.worker_cpus))
+    compute.wait_stream(hdo.offload.streams.to_host)
+    return _start(hdo, DelayedUpdate(plan, hdo.cpu_threads, hdo.worker_cpus))
 
 
-def _start(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> InFlightUpdate:
+def _start[F: InFlightUpdate](hdo: HostMirrorHybridOptimizer, flight: F) -> F:
     """The GPU-resident part stepped, then ``flight``'s worker started."""
     try:
         if hdo.gpu_optimizer is not None:
@@ -315,17 +338,18 @@ def _start(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> InFlightUp
     return flight
 
 
-def launch_overlapped(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> InFlightUpdate:
+def launch_overlapped(hdo: HostMirrorHybridOptimizer, plan: ChunkedPlan) -> OverlappedUpdate:
     """The overlapped exact step ([Note: the overlapped exact step]): gradients to the host,
     the GPU-resident part stepped, the host update started on a worker that sends each
     chunk's parameters back as soon as it has updated them; returns at once."""
     compute = _begin(hdo, plan)
+    streams = hdo.offload.streams
     # the device parameters may still be read by work queued before this step
-    hdo._h2d_stream.wait_stream(compute)
+    streams.to_device.wait_stream(compute)
     # the next iteration zeroes the gradient buffer on the compute stream: not before the
     # copies have read it
-    compute.wait_stream(hdo._d2h_stream)
-    return _start(hdo, InFlightUpdate(plan, hdo.cpu_threads, copies_back=hdo._h2d_stream))
+    compute.wait_stream(streams.to_host)
+    return _start(hdo, OverlappedUpdate(plan, hdo.cpu_threads, copies_back=streams.to_device))
 
 
 class LandedUpdate(NamedTuple):
@@ -340,9 +364,10 @@ class LandedUpdate(NamedTuple):
 
 
 def land(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> None:
-    """Wait for the update in flight; send its parameters back to the device after the
-    compute stream's work so far, unless its worker did (``copies_back``); order the
-    compute stream's later work after them. Its error, if it raised, is raised here."""
+    """Wait for the update in flight; send a delayed update's parameters back to the device
+    after the compute stream's work so far (an overlapped update's worker sent its own);
+    order the compute stream's later work after them. Its error, if it raised, is raised
+    here."""
     start = time.perf_counter()
     flight.wait()
     hdo.last_landed = LandedUpdate(
@@ -353,19 +378,20 @@ def land(hdo: HostMirrorHybridOptimizer, flight: InFlightUpdate) -> None:
         flight.d2h_wait_s,
     )
     plan = flight.plan
+    streams = hdo.offload.streams
     if flight.error is not None:
-        if flight.copies_back is not None:  # no copy back left reading the staging
-            flight.copies_back.synchronize()
-        hdo._torn = _torn_message(plan, flight.gpu_stepped)
+        if isinstance(flight, OverlappedUpdate):  # no copy back left reading the staging
+            streams.to_device.synchronize()
+        hdo.offload.torn = _torn_message(plan, flight.gpu_stepped)
         raise flight.error
     compute = torch.cuda.current_stream()
-    if flight.copies_back is None:
-        hdo._h2d_stream.wait_stream(compute)
-        with torch.cuda.stream(hdo._h2d_stream):
+    if not isinstance(flight, OverlappedUpdate):
+        streams.to_device.wait_stream(compute)
+        with torch.cuda.stream(streams.to_device):
             for chunk, landed in zip(plan.copies, plan.landed, strict=True):
                 chunk.start_h2d()
-                landed.record(hdo._h2d_stream)
-    hdo._order_after_copies_back(compute)
+                landed.record(streams.to_device)
+    streams.order_after_copies_back(compute)
     _finish(hdo, plan)
 
 

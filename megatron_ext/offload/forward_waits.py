@@ -50,12 +50,13 @@ copying during the backward pass could save only the first chunk's copy out of i
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .chunked import ChunkedPlan, reorder
+from .chunked import ChunkedPlan, OverlappedUpdate, reorder
 
 if TYPE_CHECKING:
     from .hybrid import HostMirrorHybridOptimizer
@@ -135,22 +136,55 @@ def bucket_groups(model_chunks) -> list[Any]:
     return out
 
 
+# the ForwardWaits installed on each model chunk: a second optimizer attached to the same
+# model replaces the first one's hooks instead of stacking its own on them
+_INSTALLED: weakref.WeakKeyDictionary[Any, ForwardWaits] = weakref.WeakKeyDictionary()
+
+
 class ForwardWaits:
     """The pre-hooks and all-gather waits of one optimizer's overlapped exact step (see the
     note above), installed once on the model chunks; the chunks' order and what each waits
-    for are worked out again whenever the step's plan is rebuilt (:meth:`arrange`)."""
+    for are worked out again whenever the step's plan is rebuilt (:meth:`arrange`).
+
+    It holds the optimizer weakly and keeps what it installed (the pre-hooks' handles, the
+    bucket groups' own ``start_param_sync``), so that :meth:`remove` takes all of it off
+    again: when another optimizer's waits are installed on the same model chunks, and when
+    the optimizer is freed (its pinned host mirrors with it).
+    """
 
     def __init__(self, hdo: HostMirrorHybridOptimizer, model_chunks: Sequence[Any]):
-        self.hdo = hdo
+        for chunk in model_chunks:
+            previous = _INSTALLED.get(chunk)
+            if previous is not None:
+                previous.remove()
+        self._hdo = weakref.ref(hdo)
         # the modules holding parameters, in the model's order
         self.modules = [m for m in _modules(model_chunks) if _own_params(m)]
         self.groups = bucket_groups(model_chunks)
         # per module (by id) and bucket group (by id): the last position it waits for
         self.needs: dict[int, int] = {}
-        for m in self.modules:
-            m.register_forward_pre_hook(self._pre_hook)
+        self.handles = [m.register_forward_pre_hook(self._pre_hook) for m in self.modules]
+        # per bucket group: its start_param_sync before ours (None: the class's method)
+        self.wrapped: list[tuple[Any, Any]] = []
         for group in self.groups:
             self._wrap(group)
+        for chunk in model_chunks:
+            _INSTALLED[chunk] = self
+        weakref.finalize(hdo, self.remove)
+
+    def remove(self) -> None:
+        """Take off every pre-hook and all-gather wait this installed (idempotent)."""
+        for handle in self.handles:
+            handle.remove()
+        for group, before in self.wrapped:
+            if before is None:
+                group.__dict__.pop("start_param_sync", None)
+            else:
+                group.start_param_sync = before
+        self.handles, self.wrapped, self.needs = [], [], {}
+        for chunk, waits in list(_INSTALLED.items()):
+            if waits is self:
+                del _INSTALLED[chunk]
 
     def arrange(self, plan: ChunkedPlan) -> ChunkedPlan:
         """``plan`` with its chunks in the order the forward pass first reads them (by the
@@ -180,16 +214,18 @@ class ForwardWaits:
 
     def _pre_hook(self, module, args) -> None:
         need = self.needs.get(id(module))
-        if need is not None:
-            self.hdo.await_chunk(need)
+        hdo = self._hdo()
+        if need is not None and hdo is not None:
+            hdo.await_chunk(need)
 
     def _wrap(self, group) -> None:
         original = group.start_param_sync
+        self.wrapped.append((group, group.__dict__.get("start_param_sync")))
         waits = self
 
         def start_param_sync(*args, **kwargs):
-            flight = waits.hdo._in_flight
-            if flight is not None and flight.copies_back is not None:
+            hdo = waits._hdo()
+            if hdo is not None and isinstance(hdo.offload.in_flight, OverlappedUpdate):
                 if (
                     int(group.intra_distributed_optimizer_instance_size) == 1
                     and not group.ddp_config.overlap_param_gather
@@ -201,7 +237,7 @@ class ForwardWaits:
                     return None
                 need = waits.needs.get(id(group))
                 if need is not None:
-                    waits.hdo.await_chunk(need)
+                    hdo.await_chunk(need)
             return original(*args, **kwargs)
 
         group.start_param_sync = start_param_sync

@@ -36,15 +36,14 @@ from typing import Any
 import torch
 
 from buffers.graphs import profiler_range
-from buffers.spans import Span
 
 from .. import seam
 from ..opt_checkpoint import place_sub_optimizer_state
 from .checkpoint_classes import allow_optimizer_classes_in_checkpoints
 from .chunked import (
     ChunkedPlan,
-    InFlightUpdate,
     LandedUpdate,
+    OverlappedUpdate,
     build_chunked_plan,
     land,
     launch_delayed,
@@ -52,10 +51,11 @@ from .chunked import (
     run_exact,
 )
 from .forward_waits import ForwardWaits
-from .host_mirror import BufferMirror, HostBlock
+from .host_mirror import BufferMirror
 from .mirror_plan import copy_schedule, itemsize
 from .moment_dtypes import offload_moment_dtypes
-from .sources import OffloadSource, offload_sources, source_mirror
+from .offload_state import CopyStreams, OffloadMode, OffloadState
+from .sources import offload_sources, source_mirror
 from .step import DEFAULT_CHUNK_NUMEL, DEFAULT_COMPUTE_NUMEL, chunked_step_refusal
 from .threads import ThreadTuner, cpu_threads, rank_cores, threads_warning, worker_cpus
 
@@ -67,19 +67,25 @@ DistributedOptimizer: Any = seam.target("DistributedOptimizer")
 class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     """megatron-core's ``HybridDeviceOptimizer`` moving whole blocks through host mirrors.
 
-    Made by :func:`attach_host_mirrors` (a class swap of an existing instance); the
-    placement (which parameters the CPU updates), the sub-optimizers, the streams and the
-    step are megatron-core's. What changes: the CPU parameters and their gradients are views
-    of one host mirror per buffer (:attr:`host_mirrors`), gradients arrive with one
-    device-to-host copy per block, parameters leave with one host-to-device copy per block
-    (:class:`CopySchedule` says when), and the GPU optimizer's gradients are set on the
-    compute stream just before the GPU step (megatron-core makes the fp32 masters' ones on
-    its copy stream, which the GPU step does not wait for, and gives natively fp32
-    parameters with precision-aware gradients none: see :meth:`_set_gpu_grads`).
+    Made by :func:`attach_host_mirrors` (a class swap of an existing instance, [Note: the
+    class swap] in :mod:`megatron_ext.flat_state`); the placement (which parameters the CPU
+    updates), the sub-optimizers and megatron-core's per-parameter step are megatron-core's.
+    What changes: the CPU parameters and their gradients are views of one host mirror per
+    buffer (:attr:`host_mirrors`), gradients arrive with one device-to-host copy per block,
+    parameters leave with one host-to-device copy per block (:class:`CopySchedule` says
+    when), every copy runs on the offload's own streams ([Note: the offload copy streams] in
+    :mod:`.offload_state`), and the GPU optimizer's gradients are set on the compute stream
+    just before the GPU step (megatron-core makes the fp32 masters' ones on its copy stream,
+    which the GPU step does not wait for, and gives natively fp32 parameters with
+    precision-aware gradients none: see :meth:`_set_gpu_grads`).
+
+    Everything the step carries from one call to the next is one :class:`OffloadState`,
+    :attr:`offload`; the class attributes below are its settings (set on the class or the
+    instance before the first step; :func:`attach_host_mirrors` sets them from its
+    arguments).
     """
 
-    _offload_sources: tuple[OffloadSource, ...] = ()
-    host_mirrors: list[BufferMirror]
+    offload: OffloadState
     # The chunked step (:mod:`.step`): one fused AdamW call per chunk of a host mirror, the
     # chunks' copies pipelined with the updates; set ``chunked_step`` on the class or the
     # instance before the first step (False: megatron-core's per-parameter step).
@@ -106,11 +112,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     # module for the chunks it reads ([Note: the overlapped exact step] in
     # :mod:`.forward_waits`); set by attach_host_mirrors with the model chunks.
     overlap_forward: bool = False
-    _forward_waits: ForwardWaits | None = None
-    _chunked: ChunkedPlan | None = None
-    _chunked_for: tuple | None = None  # the sizes _chunked was built for
     chunked_step_off: str | None = None  # why the chunked step cannot run, once it was built
-    _in_flight: InFlightUpdate | None = None
     # the last delayed update landed: its host worker's time and how long landing waited
     # for it (benchmarks read it); None before one lands
     last_landed: LandedUpdate | None = None
@@ -121,9 +123,28 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     # this rank's but the one left to the launching thread; None: not pinned
     worker_cpus: frozenset[int] | None = None
     _keeping_placement = False
-    _warmed = False
-    _torn: str | None = None  # why the chunked step refuses to run (a step failed part way)
-    _fallback_warned = False
+
+    @property
+    def mode(self) -> OffloadMode:
+        """How the chunked step runs its host update (from :attr:`delayed_update` and
+        :attr:`overlap_forward`; the delayed update's warm-up steps run exact)."""
+        if self.delayed_update:
+            return OffloadMode.DELAYED
+        if self.overlap_forward:
+            return OffloadMode.OVERLAPPED
+        return OffloadMode.EXACT
+
+    @property
+    def host_mirrors(self) -> list[BufferMirror]:
+        """One host mirror per flat buffer with offloaded parameters."""
+        return self.offload.mirrors
+
+    def _offload_state(self) -> OffloadState:
+        """:attr:`offload`, made with the copy streams at the first build."""
+        state = self.__dict__.get("offload")
+        if state is None:
+            state = self.offload = OffloadState((), CopyStreams.create())
+        return state
 
     def rebuild_keeping_placement(self) -> None:
         """megatron-core's ``_init_sub_optimizers`` with the placement it made when it built
@@ -164,7 +185,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             for i, g in enumerate(self.param_groups)
             for p in g["params"]
         }
-        self._group_pairs = [
+        self._offload_state().group_pairs = [
             (opt, j, group_of[g["params"][0]])
             for opt in self.sub_optimizers
             for j, g in enumerate(opt.param_groups)
@@ -182,7 +203,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         checkpoint load, the saved step, so its bias correction stays at the saved step + 1
         until the next restart (torch's optimizers count per parameter and are immune).
         """
-        for opt, j, i in self._group_pairs:
+        for opt, j, i in self.offload.group_pairs:
             sub = opt.param_groups[j]
             for key, value in self.param_groups[i].items():
                 if key not in ("params", "step"):
@@ -194,7 +215,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         offload fraction 0 megatron-core finds no per-parameter step to save). A torch
         optimizer's group ``step`` (copied in at a load) is not its count: not copied."""
         super()._sync_sub_optimizers_state_to_hdo()
-        for opt, j, i in self._group_pairs:
+        for opt, j, i in self.offload.group_pairs:
             step = opt.param_groups[j].get("step")
             if step is not None and _counts_per_group(opt):
                 self.param_groups[i]["step"] = step
@@ -217,14 +238,13 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
 
     def _build_host_mirrors(self) -> None:
         offloaded = self.gpu_params_map_cpu_copy
-        self.host_mirrors = []
-        self._mirror_params: list[list[tuple[torch.Tensor, Span]]] = []  # (CPU param, local)
-        self._host_blocks: list[HostBlock] = []
+        state = self._offload_state()
+        state.mirrors, state.mirror_params, state.blocks = [], [], []
         block_of: dict[torch.Tensor, int] = {}
         # lean: the chunked step converts gradients into its scratch, so no mirror-sized
         # host copy of them in the CPU dtype (4 bytes per element) is kept
         lean = bool(self.chunked_step) and chunked_step_refusal(self.cpu_optimizers) is None
-        for source in self._offload_sources:
+        for source in state.sources:
             built = source_mirror(
                 source,
                 offloaded,
@@ -245,10 +265,10 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                 cpu.data = data.view(cpu.shape)
                 cpu.requires_grad = False
                 cpu.grad = None if grad is None else grad.view(cpu.shape)
-                block_of[cpu] = len(self._host_blocks) + layout.block_of(s)
-            self.host_mirrors.append(mirror)
-            self._mirror_params.append([(offloaded[p], layout.local(s)) for p, s in mine])
-            self._host_blocks += mirror.blocks
+                block_of[cpu] = len(state.blocks) + layout.block_of(s)
+            state.mirrors.append(mirror)
+            state.mirror_params.append([(offloaded[p], layout.local(s)) for p, s in mine])
+            state.blocks += mirror.blocks
         missing = [p for p, cpu in offloaded.items() if cpu not in block_of]
         if missing:
             raise RuntimeError(
@@ -260,18 +280,13 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             [block_of[p] for g in opt.param_groups for p in g["params"]]
             for opt in self.cpu_optimizers
         ]
-        self._schedule = copy_schedule(reads, len(self._host_blocks))
-        self._d2h_events = [torch.cuda.Event() for _ in self._host_blocks]
-        self._h2d_done = torch.cuda.Event()
-        self._chunked = None
-        self._chunked_for = None
-        self._in_flight = None
-        self._warmed = False
-        self._torn = None
-        self._gpu_masters = [
+        state.schedule = copy_schedule(reads, len(state.blocks))
+        state.block_copied = [torch.cuda.Event() for _ in state.blocks]
+        state.reset_step()
+        state.gpu_masters = [
             (p, fp32) for p, fp32 in self.param_to_fp32_param.items() if p not in offloaded
         ]
-        self._gpu_natives = [
+        state.gpu_natives = [
             p
             for g in self.gpu_param_groups
             for p in g["params"]
@@ -291,11 +306,12 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         if not self.chunked_step or closure is not None:
             self._refuse_if_lean("chunked_step is off" if closure is None else "a closure")
             return super().step(closure)
+        state = self.offload
         plan = self._chunked_plan()
         if plan is None:
             self._refuse_if_lean(self.chunked_step_off or "the chunked step cannot run")
-            if set(self.moment_dtypes) != {torch.float32} and not self._fallback_warned:
-                self._fallback_warned = True
+            if set(self.moment_dtypes) != {torch.float32} and not state.fallback_warned:
+                state.fallback_warned = True
                 warnings.warn(
                     f"the chunked offload step cannot run ({self.chunked_step_off}): the "
                     "per-parameter step keeps the Adam moments in fp32, not "
@@ -305,22 +321,23 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             return super().step(closure)
         # the gradients are final here: the next delayed launch's copies to the host need
         # not wait behind the copies back that landing the update in flight issues
+        mode = self.mode
         ready = None
-        if self.delayed_update and self._in_flight is not None:
+        if mode is OffloadMode.DELAYED and state.in_flight is not None:
             ready = torch.cuda.current_stream().record_event()
         if self.drain() and self.thread_tuner is not None and self.last_landed is not None:
             landed = self.last_landed
             self.cpu_threads = self.thread_tuner.landed(
                 landed.worker_s, landed.wait_s, landed.window_s
             )
-        if self._torn is not None:
-            raise RuntimeError(self._torn)
-        if self.delayed_update and self._past_warmup():
+        if state.torn is not None:
+            raise RuntimeError(state.torn)
+        if mode is OffloadMode.DELAYED and self._past_warmup():
             with profiler_range("megatron_ext::offload_launch"):
-                self._in_flight = launch_delayed(self, plan, ready)
-        elif self.overlap_forward:
+                state.in_flight = launch_delayed(self, plan, ready)
+        elif mode is OffloadMode.OVERLAPPED:
             with profiler_range("megatron_ext::offload_launch"):
-                self._in_flight = launch_overlapped(self, plan)
+                state.in_flight = launch_overlapped(self, plan)
         else:
             with profiler_range("megatron_ext::offload_exact_step"):
                 run_exact(self, plan)
@@ -335,22 +352,23 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
             tuple(self.moment_dtypes),
             self.offload_kernel,
         )
-        if self._chunked_for != sizes:
+        state = self.offload
+        if state.plan_for != sizes:
             self.drain()
             self.chunked_step_off = chunked_step_refusal(self.cpu_optimizers)
             plan = None if self.chunked_step_off is not None else build_chunked_plan(self)
-            waits = self._forward_waits if self.overlap_forward else None
+            waits = state.forward_waits if self.mode is OffloadMode.OVERLAPPED else None
             if plan is not None and waits is not None:
                 # the chunks the next forward pass reads first are updated first
                 plan = waits.arrange(plan)
-            self._chunked, self._chunked_for = plan, sizes
-        return self._chunked
+            state.plan, state.plan_for = plan, sizes
+        return state.plan
 
     def _past_warmup(self) -> bool:
         """Whether this optimizer has taken :attr:`delay_warmup` steps, by the ``step`` of
         its host parameters' state (a loaded checkpoint's included); once true it stays so
         until the sub-optimizers are rebuilt (a load), so the walk runs only in warm-up."""
-        if not self._warmed:
+        if not self.offload.warmed:
             taken = max(
                 (
                     float(state["step"])
@@ -360,8 +378,8 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                 ),
                 default=0.0,
             )
-            self._warmed = taken >= self.delay_warmup
-        return self._warmed
+            self.offload.warmed = taken >= self.delay_warmup
+        return self.offload.warmed
 
     def drain(self) -> bool:
         """Land the delayed update in flight, if any: wait for its host worker and send its
@@ -372,7 +390,8 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         reading the parameters outside the training loop (evaluation, the end of
         training). :func:`megatron_ext.drain_offload` does it for a whole optimizer.
         """
-        flight, self._in_flight = self._in_flight, None
+        state = self.offload
+        flight, state.in_flight = state.in_flight, None
         if flight is None:
             return False
         with profiler_range("megatron_ext::offload_land"):
@@ -383,8 +402,8 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         """With an overlapped exact step in flight: until its worker has sent back the
         parameters of every chunk up to ``position`` (in update order), and the compute
         stream's later work is ordered after those copies; else nothing."""
-        flight = self._in_flight
-        if flight is None or flight.copies_back is None or position <= flight.awaited:
+        flight = self.offload.in_flight
+        if not isinstance(flight, OverlappedUpdate) or position <= flight.awaited:
             return
         flight.await_chunk(position)
         torch.cuda.current_stream().wait_event(flight.plan.landed[position])
@@ -398,12 +417,13 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
     def load_state_dict(self, state_dict):
         """megatron-core's, after waiting for an update in flight and dropping it (the
         loaded state replaces what it would have written)."""
-        flight, self._in_flight = self._in_flight, None
+        state = self.offload
+        flight, state.in_flight = state.in_flight, None
         if flight is not None:
             flight.wait()
             # the worker of an overlapped step may have sent parameters back: what loads
             # them on the compute stream comes after
-            self._order_after_copies_back(torch.cuda.current_stream())
+            state.streams.order_after_copies_back(torch.cuda.current_stream())
         return super().load_state_dict(state_dict)
 
     def _refuse_if_lean(self, why: str) -> None:
@@ -424,39 +444,42 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                 self.gpu_optimizer.register_step_post_hook(self._copy_gpu_masters_back)
 
     def _set_sub_optimizer_grads(self):
-        """One device-to-host copy per block, on the copy stream (megatron-core's step
-        calls this there), then one event per block for the CPU steps to wait on."""
-        for b in self._schedule.d2h_order:
-            self._host_blocks[b].start_d2h()
-            self._d2h_events[b].record(self._d2h_stream)
+        """One device-to-host copy per block on the offload's ``to_host`` stream, after
+        the stream megatron-core's step calls this on (its ``_d2h_stream``, which waited for
+        the compute stream), then one event per block, handed to megatron-core's step, which
+        synchronizes each CPU optimizer's before its step."""
+        state = self.offload
+        to_host = state.streams.to_host
+        to_host.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(to_host):
+            for b in state.schedule.d2h_order:
+                state.blocks[b].start_d2h()
+                state.block_copied[b].record(to_host)
         for k, optimizer in enumerate(self.cpu_optimizers):
-            self._cpu_optimizer_map_data_event[optimizer] = self._d2h_events[
-                self._schedule.wait_for[k]
+            self._cpu_optimizer_map_data_event[optimizer] = state.block_copied[
+                state.schedule.wait_for[k]
             ]
 
     def _before_cpu_step(self, k: int, optimizer, args, kwargs) -> None:
         # megatron-core's step has synchronized this optimizer's event: its blocks are here.
-        for b in self._schedule.convert_before[k]:
-            self._host_blocks[b].convert_grads()
+        for b in self.offload.schedule.convert_before[k]:
+            self.offload.blocks[b].convert_grads()
 
     def _after_cpu_step(self, k: int, optimizer, args, kwargs) -> None:
-        blocks = [self._host_blocks[b] for b in self._schedule.copy_back_after[k]]
+        state = self.offload
+        blocks = [state.blocks[b] for b in state.schedule.copy_back_after[k]]
         if not blocks:
             return
         # The staging bytes are free: this step's gradients in them have been read. The
         # next step's device-to-host copy waits for these copies through the compute stream.
         for block in blocks:
             block.pack_params()
-        self._h2d_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._h2d_stream):
+        to_device = state.streams.to_device
+        to_device.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(to_device):
             for block in blocks:
                 block.start_h2d()
-        self._order_after_copies_back(torch.cuda.current_stream())
-
-    def _order_after_copies_back(self, stream) -> None:
-        """``stream``'s later work waits for every host-to-device copy issued so far."""
-        self._h2d_done.record(self._h2d_stream)
-        stream.wait_event(self._h2d_done)
+        state.streams.order_after_copies_back(torch.cuda.current_stream())
 
     def _set_gpu_grads(self, optimizer, args, kwargs) -> None:
         """The GPU optimizer's gradients, on the compute stream just before its step.
@@ -466,11 +489,11 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         ``.decoupled_grad`` where the precision-aware optimizer left their gradient there;
         megatron-core binds nothing, so its torch GPU optimizer skips them.
         """
-        for param in self._gpu_natives:
+        for param in self.offload.gpu_natives:
             grad = getattr(param, "decoupled_grad", None)
             if grad is not None and grad.dtype == param.dtype:
                 param.grad = grad
-        for param, fp32_param in self._gpu_masters:
+        for param, fp32_param in self.offload.gpu_masters:
             grad = getattr(param, "decoupled_grad", param.grad)
             if grad is not None:
                 fp32_param.grad = grad.to(fp32_param.dtype)
@@ -479,7 +502,7 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
                 fp32_param.requires_grad = False
 
     def _copy_gpu_masters_back(self, optimizer, args, kwargs) -> None:
-        for param, fp32_param in self._gpu_masters:
+        for param, fp32_param in self.offload.gpu_masters:
             param.data.copy_(fp32_param.data)
 
     def _update_fp32_params_by_new_state(self):
@@ -510,8 +533,9 @@ class HostMirrorHybridOptimizer(HybridDeviceOptimizer):
         first step: ``"native"`` where the compiled kernel updates the chunks, else
         ``"torch"``)."""
         stats = [m.stats() for m in self.host_mirrors]
-        if self._chunked is not None:
-            for row, stepper in zip(stats, self._chunked[0], strict=True):
+        plan = self.offload.plan
+        if plan is not None:
+            for row, stepper in zip(stats, plan.steppers, strict=True):
                 flat = stepper.host_params
                 params = sum(e.local.numel for e in stepper.entries)
                 allocated = stepper.exp_avg is not None
@@ -613,6 +637,7 @@ def attach_host_mirrors(
         )
     seam.check_instance("HybridDeviceOptimizer", hdo)
     hdo.__class__ = HostMirrorHybridOptimizer
+    state = hdo._offload_state()
     if delayed_update and not chunked_step:
         raise ValueError(
             "the delayed offloaded update runs the chunked step; use offload_step='chunked' "
@@ -629,7 +654,7 @@ def attach_host_mirrors(
     if overlap_forward:
         _check_overlap_forward(child, chunked_step, delayed_update, model_chunks)
         hdo.overlap_forward = True
-        hdo._forward_waits = ForwardWaits(hdo, model_chunks)
+        state.forward_waits = ForwardWaits(hdo, model_chunks)
     hdo.worker_cpus = worker_cpus() if pin_threads else None
     if pin_threads and hdo.worker_cpus is None:
         warnings.warn(
@@ -651,7 +676,7 @@ def attach_host_mirrors(
         warning = threads_warning(threads)
         if warning:
             warnings.warn(warning, stacklevel=2)
-    hdo._offload_sources = offload_sources(child)
+    state.sources = offload_sources(child)
     # the (stateless) sub-optimizers rebuilt so that our hooks replace the per-parameter ones
     hdo.rebuild_keeping_placement()
     allow_optimizer_classes_in_checkpoints(hdo)

@@ -476,7 +476,7 @@ def check_config(name, cfg, log):
         facts["ours"] = [{k: v for k, v in s.items() if k != "calls"} for s in ours]
         if cfg.get("offload_step") == "chunked":
             hdos = [c.optimizer for c in opt.chained_optimizers]
-            if not all(getattr(h, "_chunked", None) is not None for h in hdos):
+            if not all(h.offload.plan is not None for h in hdos):
                 failures.append("the chunked offload step did not run")
             per_cfg = {**cfg, "offload_step": "per_parameter"}
             torch.manual_seed(0)

@@ -286,7 +286,7 @@ def test_chunked_step_matches_per_parameter_path_bit_for_bit(case, convert, kern
     assert_same(ours, ref, "step 0")
     print_stats(ours[1], f"{case_id(case)} {convert} {kernel}")
     if kernel == "torch":
-        assert all(s.uses_native is False for h in hdos(ours[1]) for s in h._chunked[0])
+        assert all(s.uses_native is False for h in hdos(ours[1]) for s in h.offload.plan.steppers)
     views = cpu_views(ours[1])  # after the first step: the moments exist
     assert all(v[2] for v in views), "the chunked step did not run"
     for step in range(1, STEPS):
@@ -295,8 +295,8 @@ def test_chunked_step_matches_per_parameter_path_bit_for_bit(case, convert, kern
         assert cpu_views(ours[1]) == views  # the same host tensors every step
     assert_lean(ours[1])
     for hdo in hdos(ours[1]):
-        assert hdo._chunked is not None, hdo.chunked_step_off
-        copies = hdo._chunked.copies
+        assert hdo.offload.plan is not None, hdo.chunked_step_off
+        copies = hdo.offload.plan.copies
         assert len(copies) > sum(len(m.blocks) for m in hdo.host_mirrors)
 
 
@@ -313,7 +313,7 @@ def cpu_views(opt):
         mirrors = [m.staging.data_ptr() for m in hdo.host_mirrors]
         steppers = [
             (s.exp_avg.data_ptr(), s.exp_avg_sq.data_ptr(), s.scratch.data_ptr())
-            for s in (hdo._chunked[0] if hdo._chunked is not None else ())
+            for s in (hdo.offload.plan.steppers if hdo.offload.plan is not None else ())
             if s.exp_avg is not None
         ]
         out.append((params, mirrors, steppers))
@@ -472,7 +472,7 @@ def test_no_device_allocation_in_the_offloaded_step(pa):
     # fp32 temporary per copy stream at a time (freed back to the stream's cache)
     model, opt = build(fraction=1.0, pa=pa, overlap=True, offload_step="chunked", convert="device")
     peak = inner_step_peak(model, opt, warm=3)
-    largest = max(c.d2h[0].numel() for hdo in hdos(opt) for c in hdo._chunked[1])
+    largest = max(c.d2h[0].numel() for hdo in hdos(opt) for c in hdo.offload.plan.copies)
     assert peak <= 2 * 4 * largest + 2 * 512
 
 

@@ -34,25 +34,41 @@ class ChunkedParts(NamedTuple):
 def chunked(hdo: HostMirrorHybridOptimizer) -> ChunkedParts | None:
     """The chunked step's parts; None before its first step, or where it fell back to the
     per-parameter step (``hdo.chunked_step_off`` says why)."""
-    built = hdo._chunked
+    built = hdo.offload.plan
     return None if built is None else ChunkedParts(*built)
+
+
+def chunked_built(opt) -> bool:
+    """Whether ``opt`` is a host-mirror offload optimizer whose chunked step was built."""
+    return isinstance(opt, HostMirrorHybridOptimizer) and opt.offload.plan is not None
 
 
 def torn(hdo: HostMirrorHybridOptimizer) -> str | None:
     """Why the chunked step refuses to run (a step failed part way), None when it runs."""
-    return hdo._torn
+    return hdo.offload.torn
+
+
+def in_flight(hdo: HostMirrorHybridOptimizer):
+    """The host update running on a worker (a delayed or an overlapped step's), or None."""
+    return hdo.offload.in_flight
 
 
 def sources(hdo: HostMirrorHybridOptimizer) -> tuple[OffloadSource, ...]:
     """The buffers the host mirrors were built from (what ``attach_host_mirrors`` took from
     the distributed optimizer)."""
-    return hdo._offload_sources
+    return hdo.offload.sources
 
 
 def set_sources(hdo: HostMirrorHybridOptimizer, given: tuple[OffloadSource, ...]) -> None:
     """Hand ``given`` to an optimizer made with ``__new__``, before megatron-core's
     ``__init__`` builds its sub-optimizers (and with them the host mirrors)."""
-    hdo._offload_sources = given
+    hdo._offload_state().sources = given
+
+
+def set_forward_waits(hdo: HostMirrorHybridOptimizer, waits) -> None:
+    """Give an optimizer built by hand the overlapped step's waits (``attach_host_mirrors``
+    installs them from the model chunks)."""
+    hdo.offload.forward_waits = waits
 
 
 def cpu_adamw_not_fused(cls: type[HostMirrorHybridOptimizer]) -> type[HostMirrorHybridOptimizer]:

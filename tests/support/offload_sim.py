@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from buffers.spans import Span, dp_shard_spans, intersect_spans, merge_spans, to_local
 from megatron_ext.layout import buffer_layout
 from megatron_ext.offload import HostMirrorHybridOptimizer, OffloadSource
+from megatron_ext.offload.chunked import OverlappedUpdate
 from megatron_ext.offload.host_mirror import HostBlock
 from megatron_ext.offload.step import ChunkedAdamW
 from tests.support import offload_internals, streams
@@ -102,8 +103,10 @@ def trace_host_mirrors(monkeypatch, log: streams.Log) -> None:
                     return real(self, *args, **kwargs)
                 log.step_begins()
                 out = real(self, *args, **kwargs)
-                flight = getattr(self, "_in_flight", None)
-                log.step_ends(overlapped=getattr(flight, "copies_back", None) is not None)
+                flight = (
+                    self.offload.in_flight if isinstance(self, HostMirrorHybridOptimizer) else None
+                )
+                log.step_ends(overlapped=isinstance(flight, OverlappedUpdate))
                 return out
             finally:
                 depth[0] -= 1
