@@ -29,7 +29,8 @@ which reuse its memory; keep a ``clone()`` to hold it longer.
 Reported instead (:class:`GradientOutsideBufferError`, naming the parameter): a gradient
 with an autograd graph of its own (``backward(create_graph=True)``: a copy would cut its
 graph), the model converted after the buffers were built (``model.half()``: the hook raises
-in the backward that would write a gradient of the new dtype), a parameter frozen at build
+in the backward that would write a gradient of the new dtype), a sparse gradient arriving
+in backward (``nn.Embedding(sparse=True)`` given as a list), a parameter frozen at build
 that starts training, the model re-created (the old parameters are freed: they are held
 weakly here), torch DDP with ``gradient_as_bucket_view=True`` moving ``.grad`` into its
 buckets, ``.grad.data`` replaced, or ``close()``. Each call also checks one parameter per
@@ -133,6 +134,12 @@ def bucket_view_ddps() -> list:
     return found
 
 
+SPARSE_FIX = (
+    "build the module with sparse=False, or leave its parameters out of FlatGradBuffers and "
+    "step them with their own optimizer (their gradients are then in neither the norm nor "
+    "the clip)"
+)
+
 BUCKET_VIEW_FIX = (
     "wrap the model with gradient_as_bucket_view=False (DDP's default; DDP then copies the "
     "reduced gradients back into these buffers)"
@@ -227,6 +234,12 @@ class BindingWatch:
             q = ref()
             if q is None or binding.taken:  # gone (its hook with it), or another's now
                 return
+            if grad.layout is not torch.strided:
+                raise GradientOutsideBufferError(
+                    f"parameter {name!r} received a {grad.layout} gradient "
+                    "(nn.Embedding(sparse=True)?), which its flat buffer would make dense "
+                    f"(torch.optim.SparseAdam then refuses it): {SPARSE_FIX}"
+                )
             if q.dtype is not binding.dtype or q.shape != binding.shape or q.device != device:
                 # converted: the view's dtype would be refused by torch without a name
                 watch.broken[pid] = None

@@ -11,12 +11,17 @@ from typing import Literal, overload
 import torch
 
 from . import graphs, ops
-from .bindings import BindingWatch, GradientOutsideBufferError, refuse_bucket_view_ddp
+from .bindings import (
+    SPARSE_FIX,
+    BindingWatch,
+    GradientOutsideBufferError,
+    refuse_bucket_view_ddp,
+)
 from .graphs import NormClip
 from .options import DEFAULT, BufferOptions
 from .param_norms import ParamNormPass, ParamNorms
 from .plan import ALIGN, LayoutPlan, ParamEntry, check_grad_dtype, plan_layout
-from .registrations import ModuleWatch, model_root
+from .registrations import ModelRoot, ModuleWatch, model_root
 
 __all__ = ["FlatGradBuffers", "GradientOutsideBufferError"]
 
@@ -71,11 +76,17 @@ class FlatGradBuffers:
     Raises:
         ValueError: an iterator that yields no parameter, without ``device`` (an exhausted
             generator?; an empty list gives empty buffers, norm 0, as torch); a non-leaf
-            tensor; parameters on different devices; parameters of a model wrapped in torch
-            DDP with ``gradient_as_bucket_view=True``.
+            tensor; a lazy module's parameter before its first forward; parameters on
+            different devices; parameters of a model wrapped in torch DDP with
+            ``gradient_as_bucket_view=True``.
         TypeError: a trainable parameter of a dtype without flat buffers (complex, fp8,
-            integer). Construction is all-or-nothing: when it raises, no ``.grad`` has been
-            replaced and no hook added.
+            integer); a sparse parameter, or the weight of an ``Embedding`` /
+            ``EmbeddingBag`` with ``sparse=True`` (where the module is known; given a list,
+            backward raises when its sparse gradient arrives); ``params``, ``counted``
+            (or what it returns) or ``options`` of the wrong type.
+
+        Construction is all-or-nothing: when it raises, no ``.grad`` has been replaced and
+        no hook added.
     """
 
     def __init__(
@@ -87,6 +98,22 @@ class FlatGradBuffers:
         device: torch.device | str | None = None,
         options: BufferOptions = DEFAULT,
     ) -> None:
+        if not isinstance(params, torch.nn.Module | torch.Tensor | Iterable):
+            raise TypeError(
+                f"FlatGradBuffers(params={params!r}): expected a module, a parameter, or an "
+                "iterable of parameters or (name, parameter) pairs such as "
+                f"model.named_parameters(), not a {type(params).__name__}"
+            )
+        if counted is not None and not callable(counted):
+            raise TypeError(
+                f"counted={counted!r}: expected None (every parameter counts) or a function "
+                "of a parameter returning True or False"
+            )
+        if not isinstance(options, BufferOptions):
+            raise TypeError(
+                f"options={options!r}: expected a buffers.BufferOptions (e.g. "
+                "BufferOptions(backend='torch', cuda_graphs=False))"
+            )
         root = model_root(params)  # before a generator is consumed
         if isinstance(params, torch.nn.Module):
             params = list(params.named_parameters())
@@ -108,13 +135,13 @@ class FlatGradBuffers:
                 UserWarning,
                 stacklevel=2,
             )
+        _refuse_sparse_gradients(trained, root)
         refuse_bucket_view_ddp(trained)
         self.device = _pick_device(device, trained)
         self._names = [name for name, _ in trained]
 
         entries = [
-            ParamEntry(n, tuple(p.shape), p.dtype, counted(p) if counted else True)
-            for n, p in trained
+            ParamEntry(n, tuple(p.shape), p.dtype, _counts(counted, n, p)) for n, p in trained
         ]
         self.plan: LayoutPlan = plan_layout(entries, align)
         self.buffers: dict[torch.dtype, torch.Tensor] = {
@@ -540,6 +567,12 @@ def _checked_trained_and_frozen(
         if id(p) in seen:
             continue
         seen.add(id(p))
+        if torch.nn.parameter.is_lazy(p):
+            raise ValueError(
+                f"parameter {name!r} is not initialized yet (a lazy module such as LazyLinear "
+                "before its first forward), so it has no shape to lay out: run one forward "
+                "pass first, then build FlatGradBuffers"
+            )
         if not p.is_leaf:
             raise ValueError(
                 f"parameter {name!r} is not a leaf tensor (it was computed by "
@@ -552,6 +585,50 @@ def _checked_trained_and_frozen(
         elif (p.is_floating_point() or p.is_complex()) and not p.is_inference():
             frozen.append((name, p))  # could be unfrozen later: watched by a hook
     return trained, frozen
+
+
+def _counts(counted: Callable[[torch.Tensor], bool] | None, name: str, p: torch.Tensor) -> bool:
+    """``counted(p)``, which must be a bool (True where ``counted`` is None)."""
+    if counted is None:
+        return True
+    answer = counted(p)
+    if not isinstance(answer, bool):
+        raise TypeError(
+            f"counted returned {answer!r} (a {type(answer).__name__}) for parameter {name!r}; "
+            "it must return True or False"
+        )
+    return answer
+
+
+SPARSE_EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def _refuse_sparse_gradients(
+    trained: list[tuple[str, torch.Tensor]], root: ModelRoot | None
+) -> None:
+    """``TypeError`` naming a trained parameter whose gradient would not be dense.
+
+    A flat buffer holds dense gradients: a sparse one would be made dense in it (and
+    ``torch.optim.SparseAdam`` then refuses it). A sparse parameter is refused, and so is
+    the weight of an ``Embedding`` / ``EmbeddingBag`` with ``sparse=True`` where the
+    module is known (``root``); given a list, the backward hook refuses its gradient.
+    """
+    for name, p in trained:
+        if p.layout is not torch.strided:
+            raise TypeError(
+                f"parameter {name!r} is a {p.layout} tensor; flat buffers hold dense "
+                "gradients only: leave it out of FlatGradBuffers"
+            )
+    if root is None:
+        return
+    names = {id(p): name for name, p in trained}  # also skips modules not given
+    for module in root.module.modules():
+        if isinstance(module, SPARSE_EMBEDDINGS) and module.sparse and id(module.weight) in names:
+            raise TypeError(
+                f"parameter {names[id(module.weight)]!r} gets sparse gradients "
+                f"({type(module).__name__}(sparse=True)), which a flat buffer would make dense "
+                f"(torch.optim.SparseAdam then refuses it): {SPARSE_FIX}"
+            )
 
 
 def _pick_device(device, trained: list[tuple[str, torch.Tensor]]) -> torch.device:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from buffers import FlatGradBuffers
+from buffers import FlatGradBuffers, GradientOutsideBufferError
 
 BF16, FP32, FP64 = torch.bfloat16, torch.float32, torch.float64
 TOL = {BF16: 2**-7, FP32: 1e-6, FP64: 1e-12}
@@ -252,3 +252,133 @@ def test_a_failed_construction_leaves_nothing_behind(kind, at):
             assert not getattr(p, "_post_accumulate_grad_hooks", None), "a hook was left"
             assert not getattr(p, "_backward_hooks", None), "a hook was left"
     assert not frozen.requires_grad
+
+
+# --- what construction refuses, by name ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"params": 3}, r"FlatGradBuffers\(params=3\): expected a module, a parameter, or an "),
+        ({"params": None}, r"params=None\): .* not a NoneType"),
+        ({"counted": 1}, r"counted=1: expected None .* or a function"),
+        ({"options": "fast"}, r"options='fast': expected a buffers.BufferOptions"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_named(kwargs, match):
+    net = torch.nn.Linear(3, 2)
+    args = {"params": net.named_parameters()} | kwargs
+    params = args.pop("params")
+    with pytest.raises(TypeError, match=match):
+        FlatGradBuffers(params, **args)
+    assert net.weight.grad is None  # nothing bound
+
+
+@pytest.mark.parametrize("answer", [1, "yes", None, torch.tensor(True)])
+def test_counted_must_answer_true_or_false(answer):
+    net = torch.nn.Linear(3, 2)
+    with pytest.raises(TypeError, match=r"counted returned .* for parameter 'weight'; it must"):
+        FlatGradBuffers(net.named_parameters(), counted=lambda p: answer)
+    fgb = FlatGradBuffers(net.named_parameters(), counted=lambda p: p.dim() == 2)
+    assert [s.counted for s in fgb.plan.buffers[FP32].slots] == [True, False]
+
+
+def test_a_lazy_module_before_its_first_forward_is_named():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LazyLinear(2))
+    with pytest.raises(ValueError, match=r"'1\.weight' is not initialized yet .*run one forward"):
+        FlatGradBuffers(net.named_parameters())
+    assert net[0].weight.grad is None
+    net(torch.randn(3, 4))  # initialized now
+    fgb = FlatGradBuffers(net.named_parameters())
+    assert fgb.view(net[1].weight).shape == (2, 4)
+
+
+# --- sparse gradients --------------------------------------------------------------------------
+
+
+def sparse_model(kind=torch.nn.Embedding):
+    torch.manual_seed(0)
+    net = torch.nn.ModuleDict({"emb": kind(10, 4, sparse=True), "head": torch.nn.Linear(4, 1)})
+    return net
+
+
+def sparse_loss(net):
+    emb = net["emb"]
+    idx = torch.tensor([[1, 3], [3, 7]])
+    out = (
+        emb(idx)
+        if isinstance(emb, torch.nn.Embedding)
+        else emb(idx.flatten(), torch.tensor([0, 2]))
+    )
+    return net["head"](out).square().sum()
+
+
+@pytest.mark.parametrize("kind", [torch.nn.Embedding, torch.nn.EmbeddingBag])
+@pytest.mark.parametrize("given", ["module", "named_parameters", "parameters"])
+def test_a_sparse_embedding_is_refused_at_build_by_name(kind, given):
+    net = sparse_model(kind)
+    params = {
+        "module": net,
+        "named_parameters": net.named_parameters(),
+        "parameters": net.parameters(),
+    }[given]
+    name = "emb.weight" if given != "parameters" else r"params\[0\]"
+    with pytest.raises(TypeError, match=rf"'{name}' gets sparse gradients \({kind.__name__}\(sp"):
+        FlatGradBuffers(params)
+    assert all(p.grad is None for p in net.parameters())  # nothing bound
+    net["emb"].sparse = False  # dense gradients: accepted
+    FlatGradBuffers(net)
+
+
+def test_a_frozen_sparse_embedding_is_accepted():
+    net = sparse_model()
+    net["emb"].weight.requires_grad_(False)
+    fgb = FlatGradBuffers(net)
+    fgb.zero_()
+    sparse_loss(net).backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in net["head"].parameters()])
+    assert fgb.grad_norm().item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_a_sparse_gradient_given_as_a_list_is_refused_by_the_hook():
+    # a list says nothing of the module: its backward hook sees the sparse gradient
+    net = sparse_model()
+    fgb = FlatGradBuffers(list(net.parameters()))
+    fgb.zero_()
+    with pytest.raises(
+        GradientOutsideBufferError, match=r"'params\[0\]' received a torch.sparse_coo gradient"
+    ):
+        sparse_loss(net).backward()
+    net["emb"].sparse = False
+    fgb.zero_()
+    sparse_loss(net).backward()  # dense now: accumulated in the buffer
+    assert net["emb"].weight.grad is fgb.view(net["emb"].weight)
+
+
+def test_a_sparse_parameter_is_refused_by_name():
+    dense = torch.nn.Parameter(torch.zeros(2))
+    sparse = torch.nn.Parameter(torch.zeros(3, 3).to_sparse())
+    with pytest.raises(TypeError, match=r"'s' is a torch.sparse_coo tensor; flat buffers hold"):
+        FlatGradBuffers([("d", dense), ("s", sparse)])
+
+
+def test_a_sparse_embedding_left_out_trains_with_sparse_adam():
+    # what the refusal advises: the dense rest in the buffers, the embedding on its own
+    net = sparse_model()
+    rest = [(n, p) for n, p in net.named_parameters() if not n.startswith("emb.")]
+    fgb = FlatGradBuffers(rest)
+    dense = torch.optim.AdamW([p for _, p in rest], lr=0.1)
+    sparse = torch.optim.SparseAdam([net["emb"].weight], lr=0.1)
+    before = net["emb"].weight.detach().clone()
+    for _ in range(2):
+        fgb.zero_()
+        sparse.zero_grad()
+        sparse_loss(net).backward()
+        assert net["emb"].weight.grad.is_sparse
+        want = torch.nn.utils.get_total_norm([p.grad.double() for _, p in rest])
+        assert fgb.clip_grad_norm_(1.0).item() == pytest.approx(want.item(), rel=1e-6)
+        dense.step()
+        sparse.step()
+    changed = (net["emb"].weight != before).any(dim=1)
+    assert changed.tolist() == [i in (1, 3, 7) for i in range(10)]  # only the rows looked up
