@@ -94,7 +94,7 @@ class Binding:
     view: torch.Tensor
     root: torch.Tensor  # the flat buffer the view is part of
     offset: int  # bytes from the buffer's start to the view's
-    index: int  # in BindingWatch.bound_in
+    index: int  # in BindingWatch.refs, .views and .expected
     taken: bool = False  # a FlatGradBuffers built later over the same parameter took it
 
     @property
