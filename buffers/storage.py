@@ -162,7 +162,8 @@ class FlatGradBuffers:
                 for dt, b in self.plan.buffers.items()
             ]
 
-        # Built once: the hot path walks buffers, never parameters.
+        # Built once: norms and clips walk buffers, never parameters (only the per-call
+        # check reads each .grad, in one C-level pass).
         self._norm_groups = views(lambda b: b.norm_spans)
         self._scale_groups = views(lambda b: b.scale_spans)
         # One view per counted parameter, no padding: read only by norms with p <= 0.
@@ -430,16 +431,20 @@ class FlatGradBuffers:
         p = ops.check_torch_norm_type(norm_type)
         self._check_bound()
         if not (error_if_nonfinite or per_param):
-            if group is None:
-                return self._norm_clip.clip_(max_norm, p)
-            reducer = graphs.GroupReducer(p, group, self.device, self.options)
-            return self._norm_clip.clip_reduced_(max_norm, p, *reducer.args())
+            return self._clip(max_norm, p, group)
         result = self._param_norms(p, group) if per_param else self._total_norm(p, group)
         total = result.total if isinstance(result, ParamNorms) else result
         if error_if_nonfinite:
             _raise_if_nonfinite(total, norm_type)
         self._norm_clip.scale_by_norm_(total, max_norm)
         return result
+
+    def _clip(self, max_norm: float, p: float, group) -> torch.Tensor:
+        """The fused norm and scale, arguments and bindings checked by the caller."""
+        if group is None:
+            return self._norm_clip.clip_(max_norm, p)
+        reducer = graphs.GroupReducer(p, group, self.device, self.options)
+        return self._norm_clip.clip_reduced_(max_norm, p, *reducer.args())
 
     def clipped_step(
         self,
@@ -476,7 +481,7 @@ class FlatGradBuffers:
         self._check_bound()
         self._check_optimizer_params(optimizer)
         if not (fold and self._can_fold(optimizer)):
-            total = self.clip_grad_norm_(max_norm, p, group=group)
+            total = self._clip(max_norm, p, group)
             optimizer.step()
             return total
         given = None if group is None else self._total_norm(p, group)
