@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from buffers import FlatGradBuffers
+from tests.support.spawn import spawn
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -52,7 +52,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_asymmetric_ranks_agree_with_reference(tmp_path, world):
-    mp.spawn(worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    spawn(worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
     results = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     all_grads = [g.double() for r in range(world) for g in rank_grads(world, r)]
     flat = torch.cat(all_grads)

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from buffers import FlatGradBuffers, total_norm
+from tests.support.spawn import spawn
 
 # Squares of 1e19 overflow fp32, of 1e-25 underflow it; 1e100 / 1e-100 need fp64 for the norm.
 SCALES = [1e19, 1e100, 1e-25, 1e-100, 1.0]
@@ -100,7 +100,7 @@ def two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 def test_ranks_with_and_without_fp64_reduce_together(tmp_path):
     """The all-reduce has one dtype on every rank (fp32 on one, fp64 on another aborts gloo)."""
-    mp.spawn(two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    spawn(two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     res = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     flat = torch.cat([g.reshape(-1) for g in fp64_params(1e-25, seed=6)[1]])
     want = {p: torch.linalg.vector_norm(flat, p).item() for p in (2.0, math.inf)}

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron_ext
+from tests.support.spawn import spawn
 
 install_module = importlib.import_module("megatron_ext.install")
 
@@ -83,7 +83,7 @@ def full_gradients() -> list[torch.Tensor]:
 
 def test_dtensor_gradients_are_reduced_over_their_data_parallel_group(tmp_path):
     """As stock: local shards, one all-reduce over the DTensors' group, then grad stats'."""
-    mp.spawn(dtensor_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    spawn(dtensor_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     everything = torch.cat([g.double().reshape(-1) for g in full_gradients()])
     for rank in range(2):
         got = torch.load(tmp_path / f"{rank}.pt")

@@ -5,12 +5,12 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from buffers.spans import Span
 from megatron_ext.counted_spans import GradRecord
 from megatron_ext.ddp import DistributedDataParallel, LayoutMismatchError, _first_difference
 from megatron_ext.layout import BufferKey, BufferLayout, ChunkLayout
+from tests.support.spawn import spawn
 
 
 def fake_ddp(
@@ -67,7 +67,7 @@ def worker(rank, world, init_file, out_dir):
 
 def test_every_rank_reports_the_first_differing_parameter(tmp_path):
     world = 3
-    mp.spawn(worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    spawn(worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
     same = [(tmp_path / f"{r}-False.txt").read_text() for r in range(world)]
     assert same == ["agree"] * world
     for r in range(world):
@@ -127,7 +127,7 @@ def differing_worker(rank, world, init_file, out_dir):
 
 def test_ranks_that_differ_get_a_named_error_not_a_hang(tmp_path):
     world = 2
-    mp.spawn(differing_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    spawn(differing_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
     got = {(c, r): (tmp_path / f"{c}-{r}.txt").read_text() for c in CASES for r in range(world)}
     for r in range(world):
         assert got["agree", r] == "agree"

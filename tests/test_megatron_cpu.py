@@ -28,7 +28,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.support.spawn import spawn
 
 pytest.importorskip("megatron.core")
 
@@ -268,7 +269,7 @@ def run_ranks(tmp_path, world: int, job, *args) -> list:
     # A fresh rendezvous file per call: a second spawn at the same size over a used one
     # meets the last spawn's addresses and never connects.
     init = str(tmp_path / f"init-{name}-{world}-{uuid.uuid4().hex}")
-    mp.spawn(_rank_main, args=(world, init, str(tmp_path), job, args), nprocs=world)
+    spawn(_rank_main, args=(world, init, str(tmp_path), job, args), nprocs=world)
     outs = [
         torch.load(tmp_path / f"{name}-{world}-rank{r}.pt", weights_only=False, map_location="cpu")
         for r in range(world)

@@ -30,9 +30,9 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tests.support.spawn import process
 from tests.test_megatron_cpu import BF16, batch, joined, owned_pieces, owned_state, params_of
 from tests.test_megatron_cpu_reshard import _error, build, group_steps, load, save
 
@@ -90,12 +90,9 @@ def run_guarded(tmp_path, world: int, job, *args, pg_timeout_s: int = 20,
     A rank in a collective whose peer died gets gloo's connection error at once; one whose
     peer is alive but elsewhere, gloo's timeout after ``pg_timeout_s``; a rank stuck outside
     gloo is killed; nothing hangs pytest."""
-    ctx = mp.get_context("spawn")
     init = str(tmp_path / f"init-{job.__name__}-{world}-{time.monotonic_ns()}")
     procs = [
-        ctx.Process(
-            target=_rank_main, args=(r, world, init, str(tmp_path), job, args, pg_timeout_s)
-        )  # fmt: skip
+        process(_rank_main, args=(r, world, init, str(tmp_path), job, args, pg_timeout_s))
         for r in range(world)
     ]
     for p in procs:

@@ -8,7 +8,6 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from buffers.spans import Span
 from megatron_ext.counted_spans import SHARED, GradRecord, exclusion_reason, rank_spans
@@ -26,6 +25,7 @@ from megatron_ext.norm_audit import (
     local_spans,
     piece_key,
 )
+from tests.support.spawn import spawn
 
 W = PieceKey(0, 0, "decoder.layers.0.mlp.linear_fc1.weight", 1, None)
 B = PieceKey(0, 0, "decoder.layers.0.input_layernorm.weight", None, None)
@@ -197,7 +197,7 @@ def worker(rank, world, init_file, out_dir):
 def test_gather_and_check_over_gloo(tmp_path):
     # One spawn of 3 processes checks a 3-rank group (the world) and a 2-rank subgroup.
     world = 3
-    mp.spawn(worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    spawn(worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
     results = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in range(world)]
     for name, members in (("world", 3), ("pair", 2)):
         for r in range(members):

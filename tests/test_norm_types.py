@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from buffers import FlatGradBuffers, lists, ops
+from tests.support.spawn import spawn
 
 BF16, FP32 = torch.bfloat16, torch.float32
 NEG = [0.0, 0, -math.inf, "-inf", -1.0, -0.5, -2.5]  # as a user may pass them
@@ -165,7 +165,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def test_two_ranks_reduce_counts_and_minimum(tmp_path):
-    mp.spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     every = rank_grads(0) + rank_grads(1)
     minf = torch_norm(every, -math.inf)

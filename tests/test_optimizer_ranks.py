@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.support.optimizers import FP32, Spec
+from tests.support.spawn import spawn
 
 DENSE = [Spec("w_split", 300, tp=True), Spec("w_repl", 130), Spec("sink", 40, FP32)]
 EXPERT = [Spec("e_split", 200, tp=True, expert=True), Spec("e_repl", 90, expert=True)]
@@ -66,7 +66,7 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def test_each_child_reduces_over_its_own_gloo_group(tmp_path):
-    mp.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    spawn(worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     res = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     # every parameter counts (TP size 1): sums of squares and zeros per rank and child
     dense = [sum(float(r["raw"][s.name].square().sum()) for s in DENSE) for r in res]

@@ -11,11 +11,11 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from buffers import FlatGradBuffers
 from buffers.param_norms import GroupIndex, LazyNorms, ParamNorms
 from buffers.segments import BLOCK, build_segment_table, torch_segment_stats_
+from tests.support.spawn import spawn
 from tests.support.triton_interpreter import run_interpreted
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -348,7 +348,7 @@ def dist_worker(rank, world, init_file, out_dir):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_one_all_reduce_per_call(tmp_path, world):
-    mp.spawn(dist_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    spawn(dist_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
     results = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     # fp64 reference by name from the raw gradients of every rank.
     pieces: dict[str, list] = {}

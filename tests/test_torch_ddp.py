@@ -12,10 +12,10 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from buffers import FlatGradBuffers, GradientOutsideBufferError
+from tests.support.spawn import spawn
 
 BF16, FP64 = torch.bfloat16, torch.float64
 TOL = {torch.bfloat16: 2**-7, torch.float32: 1e-6}
@@ -147,4 +147,4 @@ def worker(rank: int, world: int, init_file: str) -> None:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_torch_ddp(tmp_path, world):
-    mp.spawn(worker, args=(world, str(tmp_path / "init")), nprocs=world)
+    spawn(worker, args=(world, str(tmp_path / "init")), nprocs=world)
