@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from buffers.options import BufferOptions
+
+# exact steps before the delayed update starts (MegatronOptions and megatron_ext.train's flag)
+DEFAULT_DELAY_WARMUP = 10
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ class MegatronOptions(BufferOptions):
     offload_threads: int | None = None
     offload_convert: str = "host"
     offload_delayed_update: bool = False
-    offload_delay_warmup: int = 10
+    offload_delay_warmup: int = DEFAULT_DELAY_WARMUP
     offload_pin_threads: bool = False
     offload_overlap_forward: bool = False
     offload_fraction: str | None = None
@@ -108,34 +113,6 @@ class MegatronOptions(BufferOptions):
             raise ValueError(
                 f"offload_convert={self.offload_convert!r}; expected one of {OFFLOAD_CONVERTS}"
             )
-        if self.offload_convert == "device" and self.offload_step != "chunked":
-            # the GPU converts into a temporary the size of each copy: a chunk, or with the
-            # per-parameter step a whole block (up to the shard)
-            raise ValueError(
-                "offload_convert='device' needs offload_step='chunked' (the GPU converts "
-                "into fp32 temporaries the size of each copy, which are whole blocks in the "
-                "per-parameter step); add offload_step='chunked' or use offload_convert='host'"
-            )
-        if self.offload_delayed_update and self.offload_step != "chunked":
-            raise ValueError(
-                "offload_delayed_update=True runs the chunked step; use offload_step='chunked' "
-                "(the default) or drop offload_delayed_update"
-            )
-        if self.offload_pin_threads and not self.offload_delayed_update:
-            raise ValueError(
-                "offload_pin_threads=True pins the delayed update's worker threads; add "
-                "offload_delayed_update=True or drop offload_pin_threads"
-            )
-        if self.offload_overlap_forward and self.offload_step != "chunked":
-            raise ValueError(
-                "offload_overlap_forward=True runs the chunked step; use "
-                "offload_step='chunked' (the default) or drop offload_overlap_forward"
-            )
-        if self.offload_overlap_forward and self.offload_delayed_update:
-            raise ValueError(
-                "offload_overlap_forward and offload_delayed_update are two ways of running "
-                "the host update beside the GPU (exact, or one step late); choose one"
-            )
         warmup = self.offload_delay_warmup
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
             raise ValueError(
@@ -150,6 +127,9 @@ class MegatronOptions(BufferOptions):
                 f"offload_threads={threads!r}; expected None (torch's setting) or a positive "
                 "int (threads for the CPU optimizer step)"
             )
+        conflict = offload_conflict(vars(self), python_spelling)
+        if conflict is not None:
+            raise ValueError(conflict)
         if self.offload_fraction not in (None, "auto"):
             raise ValueError(
                 f"offload_fraction={self.offload_fraction!r}; expected 'auto' or None (a number "
@@ -173,6 +153,87 @@ class MegatronOptions(BufferOptions):
                 f"offload_chunk_numel={self.offload_chunk_numel!r}; expected a positive int "
                 "(elements per chunk, e.g. 4 * 2**20)"
             )
+
+    def offload_only(self) -> list[str]:
+        """The options set away from their defaults that only CPU offload reads (each as
+        ``name=value``): without ``optimizer_cpu_offload`` they would do nothing."""
+        return [
+            python_spelling(f.name, getattr(self, f.name))
+            for f in fields(self)
+            if f.name in OFFLOAD_ONLY and getattr(self, f.name) != f.default
+        ]
+
+
+# the options only CPU offload reads (offload_step: its default depends on host_mirrors)
+OFFLOAD_ONLY = (
+    "offload_chunk_numel",
+    "offload_threads",
+    "offload_convert",
+    "offload_delayed_update",
+    "offload_delay_warmup",
+    "offload_pin_threads",
+    "offload_overlap_forward",
+    "offload_fraction",
+    "offload_gpu_headroom",
+    "offload_host_bytes",
+)
+
+
+def python_spelling(name: str, value: Any) -> str:
+    """An option as a :class:`MegatronOptions` argument: ``offload_step='chunked'``."""
+    return f"{name}={value!r}"
+
+
+def flag_spelling(name: str, value: Any) -> str:
+    """An option as ``megatron_ext.train``'s flag: ``--offload-step chunked``, or the flag
+    alone for a switch that is on."""
+    flag = "--" + name.replace("_", "-")
+    return flag if value is True else f"{flag} {value}"
+
+
+def offload_conflict(values: Mapping[str, Any], spell: Callable[[str, Any], str]) -> str | None:
+    """Why the offload options in ``values`` (by :class:`MegatronOptions` field name, with
+    ``offload_step`` resolved) cannot go together, each option written by ``spell``; None
+    when they can. The one statement of these rules, for the options and for the flags."""
+    step = values["offload_step"]
+    delayed, overlap = values["offload_delayed_update"], values["offload_overlap_forward"]
+
+    def say(name: str, value: Any = True) -> str:
+        return spell(name, value)
+
+    if values["offload_convert"] == "device" and step != "chunked":
+        # the GPU converts into a temporary the size of each copy: a chunk, or with the
+        # per-parameter step a whole block (up to the shard)
+        return (
+            f"{say('offload_convert', 'device')} needs {say('offload_step', 'chunked')} (the "
+            "GPU converts into fp32 temporaries the size of each copy, which are whole blocks "
+            f"in the per-parameter step); add {say('offload_step', 'chunked')} or use "
+            f"{say('offload_convert', 'host')}"
+        )
+    for name, on in (("offload_delayed_update", delayed), ("offload_overlap_forward", overlap)):
+        if on and step != "chunked":
+            return (
+                f"{say(name)} runs the chunked step, not {say('offload_step', step)}; use "
+                f"{say('offload_step', 'chunked')} (the default) or drop {say(name)}"
+            )
+    if values["offload_pin_threads"] and not delayed:
+        return (
+            f"{say('offload_pin_threads')} pins the delayed update's worker threads; add "
+            f"{say('offload_delayed_update')} or drop {say('offload_pin_threads')}"
+        )
+    warmup = values["offload_delay_warmup"]
+    if warmup != DEFAULT_DELAY_WARMUP and not delayed:
+        return (
+            f"{say('offload_delay_warmup', warmup)} sets the delayed update's exact steps "
+            f"first; add {say('offload_delayed_update')} or drop "
+            f"{say('offload_delay_warmup', warmup)}"
+        )
+    if overlap and delayed:
+        return (
+            f"{say('offload_overlap_forward')} and {say('offload_delayed_update')} are two ways "
+            "of running the host update beside the GPU (exact, or one step late); choose one"
+        )
+    return None
 
 
 OFFLOAD_STEPS = ("per_parameter", "chunked")

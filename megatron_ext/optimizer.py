@@ -76,6 +76,13 @@ def get_megatron_optimizer(
             "chunk in megatron_ext.DistributedDataParallel with the same ddp_config"
         )
     options = MegatronOptions() if options is None else options
+    unread = options.offload_only()
+    if unread and not getattr(config, "optimizer_cpu_offload", False):
+        raise ValueError(
+            f"MegatronOptions({', '.join(unread)}) sets how CPU offload runs, and this "
+            "optimizer does not offload (OptimizerConfig.optimizer_cpu_offload=False): add "
+            "optimizer_cpu_offload=True, or drop them"
+        )
     if getattr(config, "optimizer_cpu_offload", False):
         # the fraction ("auto"), then host and GPU memory, before megatron-core allocates
         config = host_memory.check_before_build(config, model_chunks, options)

@@ -45,6 +45,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,6 +53,7 @@ from . import seam, wgrad_fusion
 from .config import DistributedDataParallelConfig
 from .ddp import DistributedDataParallel
 from .fp32 import Float16Module, mark_keep_in_fp32
+from .megatron_options import DEFAULT_DELAY_WARMUP, flag_spelling, offload_conflict
 from .offload_drain import drain_offload
 from .optimizer import get_megatron_optimizer
 
@@ -66,16 +68,17 @@ class UnsupportedTrainingOptionError(ValueError):
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """Our two flags, read from Megatron's parsed arguments."""
+    """Our flags (:data:`FLAGS`), read from Megatron's parsed arguments. An offload flag
+    not given is None (or False): :class:`~megatron_ext.MegatronOptions` holds the defaults."""
 
     per_dtype_grad_buffers: bool = False
     keep_in_fp32_params: tuple[str, ...] = ()
     log_per_layer_grad_norm: bool = False
-    offload_step: str = "chunked"
+    offload_step: str | None = None
     offload_threads: int | None = None
-    offload_convert: str = "host"
+    offload_convert: str | None = None
     offload_delayed_update: bool = False
-    offload_delay_warmup: int = 10
+    offload_delay_warmup: int | None = None
     offload_pin_threads: bool = False
     offload_overlap_forward: bool = False
 
@@ -85,34 +88,37 @@ class TrainOptions:
             per_dtype_grad_buffers=bool(getattr(args, "per_dtype_grad_buffers", False)),
             keep_in_fp32_params=tuple(getattr(args, "keep_in_fp32_params", None) or ()),
             log_per_layer_grad_norm=bool(getattr(args, "log_per_layer_grad_norm", False)),
-            offload_step=getattr(args, "offload_step", None) or "chunked",
+            offload_step=getattr(args, "offload_step", None),
             offload_threads=getattr(args, "offload_threads", None),
-            offload_convert=getattr(args, "offload_convert", None) or "host",
+            offload_convert=getattr(args, "offload_convert", None),
             offload_delayed_update=bool(getattr(args, "offload_delayed_update", False)),
-            offload_delay_warmup=_given(getattr(args, "offload_delay_warmup", None), 10),
+            offload_delay_warmup=getattr(args, "offload_delay_warmup", None),
             offload_pin_threads=bool(getattr(args, "offload_pin_threads", False)),
             offload_overlap_forward=bool(getattr(args, "offload_overlap_forward", False)),
         )
 
+    def _offload_given(self) -> dict[str, Any]:
+        """Our offload flags that were given, by MegatronOptions field name."""
+        return {
+            name: getattr(self, name)
+            for name in OFFLOAD_FIELDS
+            if getattr(self, name) is not None and getattr(self, name) is not False
+        }
+
     @property
     def offload_flags(self) -> list[str]:
-        """Our offload flags that were given (they need --per-dtype-grad-buffers)."""
-        out = []
-        if self.offload_step != "chunked":
-            out.append(f"--offload-step {self.offload_step}")
-        if self.offload_threads is not None:
-            out.append(f"--offload-threads {self.offload_threads}")
-        if self.offload_convert != "host":
-            out.append(f"--offload-convert {self.offload_convert}")
-        if self.offload_delayed_update:
-            out.append("--offload-delayed-update")
-        if self.offload_delay_warmup != 10:
-            out.append(f"--offload-delay-warmup {self.offload_delay_warmup}")
-        if self.offload_pin_threads:
-            out.append("--offload-pin-threads")
-        if self.offload_overlap_forward:
-            out.append("--offload-overlap-forward")
-        return out
+        """Our offload flags that were given, as typed (they need --per-dtype-grad-buffers
+        and --optimizer-cpu-offload)."""
+        return [flag_spelling(k, v) for k, v in self._offload_given().items()]
+
+    def offload_conflict(self) -> str | None:
+        """Why the offload flags given cannot go together, naming them as flags."""
+        from .megatron_options import MegatronOptions
+
+        values = {name: getattr(MegatronOptions, name) for name in OFFLOAD_FIELDS}
+        values.update(self._offload_given())
+        values["offload_step"] = values["offload_step"] or "chunked"  # with host mirrors
+        return offload_conflict(values, flag_spelling)
 
     @property
     def on(self) -> bool:
@@ -127,20 +133,19 @@ class TrainOptions:
         """The :class:`megatron_ext.MegatronOptions` our optimizer is built with."""
         from .megatron_options import MegatronOptions
 
-        return MegatronOptions(
-            offload_step=self.offload_step,
-            offload_threads=self.offload_threads,
-            offload_convert=self.offload_convert,
-            offload_delayed_update=self.offload_delayed_update,
-            offload_delay_warmup=self.offload_delay_warmup,
-            offload_pin_threads=self.offload_pin_threads,
-            offload_overlap_forward=self.offload_overlap_forward,
-        )
+        return MegatronOptions(**self._offload_given())
 
 
-def _given(value, default):
-    """``value``, or ``default`` where the flag was not parsed (None); 0 is a value."""
-    return default if value is None else value
+# our offload flags, by the MegatronOptions field each sets
+OFFLOAD_FIELDS = (
+    "offload_step",
+    "offload_threads",
+    "offload_convert",
+    "offload_delayed_update",
+    "offload_delay_warmup",
+    "offload_pin_threads",
+    "offload_overlap_forward",
+)
 
 
 def split_patterns(text: str) -> list[str]:
@@ -258,7 +263,7 @@ FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
         ("--offload-step",),
         dict(
             choices=("per_parameter", "chunked"),
-            default="chunked",
+            default=None,
             help="with --optimizer-cpu-offload: CPU update chunked over the host mirrors "
             "(default), or per parameter",
         ),
@@ -274,9 +279,10 @@ FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
         ("--offload-delay-warmup",),
         dict(
             type=non_negative_int,
-            default=10,
+            default=None,
             metavar="N",
-            help="with --offload-delayed-update: exact steps first (default: 10)",
+            help="with --offload-delayed-update: exact steps first "
+            f"(default: {DEFAULT_DELAY_WARMUP})",
         ),
     ),
     (
@@ -309,7 +315,7 @@ FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
         ("--offload-convert",),
         dict(
             choices=("host", "device"),
-            default="host",
+            default=None,
             help="with --optimizer-cpu-offload: convert bf16<->fp32 on the host, or on the "
             "GPU so fp32 crosses and the host only steps (opt-in)",
         ),
@@ -574,6 +580,7 @@ def refuse_unsupported(argv: list[str]) -> None:
     pre.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
     pre.add_argument("--optimizer", default="adam")
     pre.add_argument("--log-params-norm", action="store_true")
+    pre.add_argument("--optimizer-cpu-offload", action="store_true")
     pre.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None)
     pre.add_argument(NO_FUSION, action="store_false", dest="gradient_accumulation_fusion")
     try:
@@ -587,6 +594,7 @@ def refuse_unsupported(argv: list[str]) -> None:
         )
     options = TrainOptions.from_args(args)
     _check_needs_buffers(options)
+    _check_offload_flags(options, args)
     if options.offload_overlap_forward:
         _check_overlap_forward(args)
     if options.per_dtype_grad_buffers:
@@ -603,6 +611,20 @@ def _check_needs_buffers(options: TrainOptions) -> None:
             f"{' '.join(options.offload_flags)} needs --per-dtype-grad-buffers (they set how "
             "megatron_ext's host mirrors step); add it, or drop them"
         )
+
+
+def _check_offload_flags(options: TrainOptions, args: argparse.Namespace) -> None:
+    """Refuse offload flags without CPU offload (they would do nothing) and offload flags
+    that cannot go together, naming them as typed."""
+    if options.offload_flags and not getattr(args, "optimizer_cpu_offload", False):
+        raise UnsupportedTrainingOptionError(
+            f"{' '.join(options.offload_flags)} sets how the CPU-offloaded optimizer steps, "
+            "and without --optimizer-cpu-offload nothing is offloaded; add "
+            "--optimizer-cpu-offload, or drop them"
+        )
+    conflict = options.offload_conflict()
+    if conflict is not None:
+        raise UnsupportedTrainingOptionError(conflict)
 
 
 def _check_overlap_forward(args: argparse.Namespace) -> None:

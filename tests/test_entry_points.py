@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import subprocess
@@ -16,6 +17,8 @@ import pytest
 
 from buffers import demo
 from megatron_ext import seam, train, wgrad_fusion
+
+pytestmark = pytest.mark.mcore
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_FUSION = "--no-gradient-accumulation-fusion"  # apex's kernel for the fusion is absent here
@@ -91,17 +94,68 @@ class _Ran(Exception):
         (["--offload-delayed-update"], "--offload-delayed-update needs --per-dtype-grad-buffers"),
         (["--offload-threads=8"], "--offload-threads 8 needs --per-dtype-grad-buffers"),
         (
-            ["--per-dtype-grad-buffers", "--offload-overlap-forward", "--log-params-norm"],
+            [
+                "--per-dtype-grad-buffers",
+                "--optimizer-cpu-offload",
+                "--offload-overlap-forward",
+                "--log-params-norm",
+            ],
             "--offload-overlap-forward with --log-params-norm",
         ),
         (
             [
                 "--per-dtype-grad-buffers",
+                "--optimizer-cpu-offload",
                 "--offload-overlap-forward",
                 "--check-weight-hash-across-dp-replicas-interval",
                 "10",
             ],
             "with --check-weight-hash-across-dp-replicas-interval 10",
+        ),
+        # offload flags without CPU offload would do nothing: each named as typed
+        *(
+            (
+                ["--per-dtype-grad-buffers", *flag],
+                f"{' '.join(flag)} sets how the CPU-offloaded optimizer steps, and without "
+                "--optimizer-cpu-offload nothing is offloaded",
+            )
+            for flag in (
+                ["--offload-delayed-update"],
+                ["--offload-overlap-forward"],
+                ["--offload-threads", "4"],
+                ["--offload-step", "per_parameter"],
+                ["--offload-convert", "device"],
+                ["--offload-pin-threads"],
+                ["--offload-delay-warmup", "3"],
+            )
+        ),
+        # offload flags that cannot go together, refused before anything is built
+        *(
+            (["--per-dtype-grad-buffers", "--optimizer-cpu-offload", *flags], named)
+            for flags, named in (
+                (
+                    ["--offload-delayed-update", "--offload-overlap-forward"],
+                    "--offload-overlap-forward and --offload-delayed-update are two ways",
+                ),
+                (["--offload-pin-threads"], "add --offload-delayed-update or drop --offload-pin"),
+                (
+                    ["--offload-step", "per_parameter", "--offload-convert", "device"],
+                    "--offload-convert device needs --offload-step chunked",
+                ),
+                (
+                    ["--offload-step", "per_parameter", "--offload-delayed-update"],
+                    "--offload-delayed-update runs the chunked step, not --offload-step "
+                    "per_parameter",
+                ),
+                (
+                    ["--offload-step", "per_parameter", "--offload-overlap-forward"],
+                    "--offload-overlap-forward runs the chunked step",
+                ),
+                (
+                    ["--offload-delay-warmup", "0"],
+                    "--offload-delay-warmup 0 sets the delayed update's exact steps first",
+                ),
+            )
         ),
     ],
 )
@@ -298,20 +352,37 @@ def test_main_job_refuses_bad_arguments_with_its_own_usage_before_any_part_runs(
     assert mark.exists() == set_up
 
 
+def _lists_the_entry_points(text: str) -> None:
+    for command in ("python -m megatron_ext.train SCRIPT", "python -m buffers.demo"):
+        assert command in text, text
+
+
 def test_python_m_megatron_ext_lists_the_entry_points():
+    # the command line itself, once, in a fresh interpreter
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     env["PYTHONPATH"] = str(ROOT)
-    for args, code in (["--help"], 0), ([], 0), (["pretrain_gpt.py"], 2):
-        proc = subprocess.run(
-            [sys.executable, "-m", "megatron_ext", *args],
-            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
-        )  # fmt: skip
-        assert proc.returncode == code, proc.stderr
-        text = proc.stdout if code == 0 else proc.stderr
-        assert "No module named" not in proc.stderr
-        for command in ("python -m megatron_ext.train SCRIPT", "python -m buffers.demo"):
-            assert command in text, text
-    assert "unrecognized arguments: pretrain_gpt.py" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext", "--help"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "No module named" not in proc.stderr
+    _lists_the_entry_points(proc.stdout)
+
+
+@pytest.mark.parametrize(("args", "code"), [(["-h"], 0), ([], 0), (["pretrain_gpt.py"], 2)])
+def test_megatron_ext_main_lists_the_entry_points_and_refuses_other_arguments(
+    args, code, capsys, monkeypatch
+):
+    # its other arguments in this process: what `python -m megatron_ext ARGS` runs
+    main = importlib.import_module("megatron_ext.__main__").main
+    monkeypatch.setattr(sys, "argv", ["megatron_ext", *args])
+    assert main() == code
+    out, err = capsys.readouterr()
+    _lists_the_entry_points(out if code == 0 else err)
+    assert (out == "") == (code != 0) and (err == "") == (code == 0)
+    if code:
+        assert "unrecognized arguments: pretrain_gpt.py" in err
 
 
 def test_train_help_lists_the_values_of_flags_that_take_a_choice(capsys):

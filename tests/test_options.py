@@ -175,3 +175,30 @@ def test_a_misspelt_environment_switch_is_refused_on_the_cpu_too(monkeypatch, va
     if variable == "BUFFERS_BACKEND":
         with pytest.raises(ValueError, match="BUFFERS_BACKEND='torhc'"):
             ops.backend_for(torch.device("cpu"))
+
+
+def test_a_delay_warmup_without_the_delayed_update_is_refused():
+    with pytest.raises(ValueError, match="offload_delay_warmup=3 sets the delayed update's"):
+        MegatronOptions(offload_delay_warmup=3)
+    assert MegatronOptions(offload_delay_warmup=3, offload_delayed_update=True)
+
+
+def test_offload_options_without_cpu_offload_are_refused_naming_them():
+    """get_megatron_optimizer refuses options only CPU offload reads when the config does
+    not offload, before megatron-core builds anything; the defaults pass."""
+    from types import SimpleNamespace
+
+    from megatron_ext import get_megatron_optimizer
+
+    chunk = torch.nn.Linear(2, 2)
+    chunk.per_dtype_grad_buffers = True
+    config = SimpleNamespace(optimizer_cpu_offload=False)
+    for options, named in (
+        (MegatronOptions(offload_delayed_update=True), "offload_delayed_update=True"),
+        (MegatronOptions(offload_overlap_forward=True), "offload_overlap_forward=True"),
+        (MegatronOptions(offload_threads=4, offload_convert="device"), "offload_threads=4, "),
+    ):
+        with pytest.raises(ValueError, match=f"MegatronOptions\\({named}.*optimizer_cpu_offload=F"):
+            get_megatron_optimizer(config, [chunk], options=options)
+    assert MegatronOptions().offload_only() == []
+    assert MegatronOptions(offload_step="per_parameter").offload_only() == []

@@ -8,6 +8,8 @@ import torch
 from megatron_ext import train
 from megatron_ext.fp32 import is_keep_in_fp32
 
+pytestmark = pytest.mark.mcore
+
 
 def parser():
     return train.add_arguments(argparse.ArgumentParser(allow_abbrev=False))
@@ -129,7 +131,9 @@ def test_delayed_update_flags_reach_the_options():
     )
     assert pinned.offload_flags == ["--offload-delayed-update", "--offload-pin-threads"]
     assert pinned.megatron_options().offload_pin_threads
-    zero = train.TrainOptions.from_args(parser().parse_args(["--offload-delay-warmup", "0"]))
+    zero = train.TrainOptions.from_args(
+        parser().parse_args(["--offload-delayed-update", "--offload-delay-warmup", "0"])
+    )
     assert zero.megatron_options().offload_delay_warmup == 0
     with pytest.raises(SystemExit):
         parser().parse_args(["--offload-delay-warmup", "-1"])
@@ -165,9 +169,11 @@ def test_the_overlap_flag_reaches_the_options_and_refuses_readers_after_the_step
 
 def test_offload_flags_parse_and_need_the_buffers(capsys):
     default = train.TrainOptions.from_args(parser().parse_args([]))
-    assert (default.offload_step, default.offload_threads, default.on) == ("chunked", None, False)
+    # a flag not given is None: MegatronOptions holds its default, declared once
+    assert (default.offload_step, default.offload_threads, default.on) == (None, None, False)
     assert default.megatron_options() == train_options(offload_step="chunked")
-    assert not default.offload_delayed_update and default.offload_delay_warmup == 10
+    assert not default.offload_delayed_update and default.offload_delay_warmup is None
+    assert default.megatron_options().offload_delay_warmup == 10
     args = parser().parse_args(["--offload-step", "per_parameter", "--offload-threads", "6"])
     options = train.TrainOptions.from_args(args)
     assert options.on

@@ -17,6 +17,8 @@ import torch
 import megatron_ext
 from megatron_ext import seam, train
 
+pytestmark = pytest.mark.mcore
+
 if seam.installed_version()[:2] < (0, 19):
     pytest.skip(
         "megatron_ext.train patches the training loop of megatron-core >= 0.19 (0.18's "
@@ -257,7 +259,12 @@ def test_the_offload_flags_reach_the_optimizer(monkeypatch):
     chunk = torch.nn.Linear(2, 2)
     chunk.per_dtype_grad_buffers = True
     options = train.TrainOptions(
-        True, (), offload_step="per_parameter", offload_threads=3, offload_delay_warmup=0
+        True,
+        (),
+        offload_step="chunked",
+        offload_threads=3,
+        offload_delayed_update=True,
+        offload_delay_warmup=0,
     )
     made = []
     build = train._checked_optimizer(options, train._BuildRecord(), made)
@@ -266,14 +273,11 @@ def test_the_offload_flags_reach_the_optimizer(monkeypatch):
     assert build(None, [chunk], "positional", extra=1) == "opt"
     assert seen["extra"] == 1 and made == ["opt"]  # what the run drains at its end
     got = seen["options"]
-    assert (got.offload_step, got.offload_threads, got.offload_delay_warmup) == (
-        "per_parameter",
-        3,
-        0,
-    )
+    assert (got.offload_step, got.offload_threads, got.offload_delay_warmup) == ("chunked", 3, 0)
+    assert got.offload_delayed_update
     described = train._describe(options)
-    assert "--offload-step per_parameter --offload-threads 3" in described
-    assert "--offload-delay-warmup 0" in described
+    assert "--offload-step chunked --offload-threads 3" in described
+    assert "--offload-delayed-update --offload-delay-warmup 0" in described
 
 
 @pytest.mark.parametrize("makefile", [False, True])
