@@ -8,9 +8,10 @@
 #   --allow-fail      report failing versions but exit 0 (also MCORE_MATRIX_ALLOW_FAIL=1).
 #   --pin-main [DIR]  pin scripts/mcore_main.sha to the `main` branch of a local Megatron-LM git
 #                     dir (default $MEGATRON_LM_GIT_DIR or the fetch tool's mirror), then run.
-#   MCORE_MATRIX_TESTS  the test files to run (default: every tests/test_*.py that names
-#                       megatron.core, megatron_ext, the topology/GPT-inventory support or the
-#                       benchmarks, which import megatron_ext).
+#   MCORE_MATRIX_TESTS  the test files to run (default: every tests/test_*.py marked
+#                       `pytestmark = pytest.mark.mcore`, listed by scripts/mcore_matrix_tests.py:
+#                       the files that touch megatron-core, directly or through what they import;
+#                       tests/test_mcore_marker.py checks that exactly those carry the mark).
 #   MCORE_MATRIX_EXCLUDE  test files to leave out of that list (e.g. tests/test_benchmarks.py,
 #                         the slowest file, whose scripts only use megatron_ext's public API).
 #
@@ -62,7 +63,8 @@ fi
 if [ -n "${MCORE_MATRIX_TESTS:-}" ]; then
   read -r -a tests <<<"$MCORE_MATRIX_TESTS"
 else
-  mapfile -t tests < <(grep -lE 'megatron_ext|megatron\.core|(from|import) +megatron|tests\.support\.(topology|gpt_inventory)|(from|import) +benchmarks|"benchmarks"' tests/test_*.py | sort)
+  listed=$("$PY" scripts/mcore_matrix_tests.py)
+  mapfile -t tests <<<"$listed"
 fi
 for x in ${MCORE_MATRIX_EXCLUDE:-}; do
   for i in "${!tests[@]}"; do [ "${tests[$i]}" = "$x" ] && unset 'tests[i]'; done

@@ -13,6 +13,8 @@ import pytest
 
 from benchmarks import common
 
+pytestmark = pytest.mark.mcore
+
 ROOT = Path(__file__).resolve().parents[1]
 NORM_CLIP_SMOKE = ["--device", "cpu", "--scale", "0.004", "--warmup", "0", "--reps", "1"]
 NORM_CLIP_SMOKE += ["--scaling-counts", "80", "--scaling-bytes", "32768", "--variants", "flat"]

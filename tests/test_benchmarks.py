@@ -9,6 +9,8 @@ import torch
 
 from tests.support.bench_scripts import load_script, read_outputs
 
+pytestmark = pytest.mark.mcore
+
 
 def test_memory_layout_and_measured_rows(tmp_path, capsys):
     script = load_script("memory")

@@ -14,6 +14,8 @@ import torch
 
 from tests.support.bench_scripts import load_script, read_outputs
 
+pytestmark = pytest.mark.mcore
+
 
 @pytest.fixture(scope="module")
 def norm_clip_run(tmp_path_factory):

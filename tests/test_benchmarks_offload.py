@@ -9,6 +9,8 @@ import torch
 
 from tests.support.bench_scripts import OFFLOAD_STEP_TINY, load_script, read_outputs
 
+pytestmark = pytest.mark.mcore
+
 
 @pytest.mark.parametrize("fraction", ["1.0", "0.5"])
 def test_offload_step_cpu_run(tmp_path, capsys, fraction):

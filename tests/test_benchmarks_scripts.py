@@ -12,6 +12,8 @@ import torch
 
 from tests.support.bench_scripts import OFFLOAD_STEP_TINY, ROOT, load_script
 
+pytestmark = pytest.mark.mcore
+
 # --- every script: --help, where it runs from, where it writes, what it says --------------
 
 SCRIPTS = (

@@ -8,6 +8,8 @@ import torch
 
 from buffers import FlatGradBuffers
 
+pytestmark = pytest.mark.mcore
+
 BAD = [-1.0, -1e-30, math.nan, -math.inf, torch.tensor(-0.5), torch.tensor(math.nan)]
 
 

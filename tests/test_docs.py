@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.mcore
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = {"RESULTS.md", "gpu-test-log.md"}
 DOC_FILES = [ROOT / "README.md"] + [

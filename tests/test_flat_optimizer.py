@@ -32,6 +32,8 @@ from tests.support.optimizers import (
     sumsq,
 )
 
+pytestmark = pytest.mark.mcore
+
 DENSE = [
     Spec("w_split", 300, tp=True),
     Spec("w_repl", 130),

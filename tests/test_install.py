@@ -12,6 +12,8 @@ import torch.distributed as dist
 import megatron_ext
 from tests.support.spawn import spawn
 
+pytestmark = pytest.mark.mcore
+
 install_module = importlib.import_module("megatron_ext.install")
 
 

@@ -34,6 +34,8 @@ from megatron_ext.opt_state import _build_state
 from tests.test_megatron_distopt_ranks import BF16, FP32, child_for_rank
 from tests.test_megatron_param_norms import reduce_ranks
 
+pytestmark = pytest.mark.mcore
+
 # A loss scale that is not a power of two (a static bf16 loss_scale can be any number):
 # unscaled, the island's fp32 gradients are values bf16 cannot hold, so a dtype slip on the
 # island path (an island copy staged or read in bf16) changes what is read.

@@ -3,6 +3,7 @@
 import os
 import types
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -11,6 +12,8 @@ from megatron_ext.counted_spans import GradRecord
 from megatron_ext.ddp import DistributedDataParallel, LayoutMismatchError, _first_difference
 from megatron_ext.layout import BufferKey, BufferLayout, ChunkLayout
 from tests.support.spawn import spawn
+
+pytestmark = pytest.mark.mcore
 
 
 def fake_ddp(

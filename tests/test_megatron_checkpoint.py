@@ -15,6 +15,8 @@ pytest.importorskip("megatron.core")
 
 from megatron_ext.flat_optimizer import FlatNormOptimizer  # noqa: E402
 
+pytestmark = pytest.mark.mcore
+
 
 def _stepped_adam(n_params=3, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -5,6 +5,8 @@ import torch
 
 import megatron_ext
 
+pytestmark = pytest.mark.mcore
+
 
 def test_option_defaults_off_and_is_a_megatron_config():
     from megatron.core.distributed import DistributedDataParallelConfig as Stock

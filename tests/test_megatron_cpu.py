@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from tests.support.spawn import spawn
 
+pytestmark = pytest.mark.mcore
+
 pytest.importorskip("megatron.core")
 
 H, F, BATCH, STEPS, CLIP, LR = 32, 48, 8, 2, 1.0, 0.05

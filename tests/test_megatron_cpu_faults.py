@@ -36,6 +36,8 @@ from tests.support.spawn import process
 from tests.test_megatron_cpu import BF16, batch, joined, owned_pieces, owned_state, params_of
 from tests.test_megatron_cpu_reshard import _error, build, group_steps, load, save
 
+pytestmark = pytest.mark.mcore
+
 pytest.importorskip("megatron.core")
 
 FMT = "fully_reshardable"

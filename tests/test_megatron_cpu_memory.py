@@ -24,6 +24,8 @@ import torch
 from benchmarks.memory_ddp import live_storage_bytes
 from tests.test_megatron_cpu import run_ranks
 
+pytestmark = pytest.mark.mcore
+
 pytest.importorskip("megatron.core")
 
 IN, HID, BATCH, STEPS, LR, CLIP = 256, 512, 16, 3, 1e-3, 1.0

@@ -48,6 +48,8 @@ from tests.test_megatron_cpu import (
     to_model,
 )
 
+pytestmark = pytest.mark.mcore
+
 pytest.importorskip("megatron.core")
 skip_unless_the_device_serves()
 

@@ -21,6 +21,8 @@ from megatron_ext.layout import buffer_layout
 from megatron_ext.opt_state import _build_state
 from tests.support.fakes import FakeGroup, megatron_buffer
 
+pytestmark = pytest.mark.mcore
+
 BF16, FP32 = torch.bfloat16, torch.float32
 # megatron-core 0.19+ filters expert duplicates over the expert TP group
 EXPERT_AWARE = (

@@ -15,6 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import megatron_lm_te as d  # noqa: E402
 
+pytestmark = pytest.mark.mcore
+
 
 def pretrain_flags(cmd: list[str]) -> list[str]:
     return cmd[cmd.index("pretrain_gpt.py") + 1 :]

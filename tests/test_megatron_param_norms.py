@@ -22,6 +22,8 @@ from megatron_ext.opt_state import _build_state
 from tests.support.fakes import FakeGroup
 from tests.test_megatron_distopt_ranks import child_for_rank
 
+pytestmark = pytest.mark.mcore
+
 
 def names_of(bufs, placed):
     """id(param) -> the name megatron_ext.DistributedDataParallel's layout gave it."""

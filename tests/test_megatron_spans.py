@@ -10,6 +10,8 @@ from megatron_ext.counted_spans import (
     rank_spans,
 )
 
+pytestmark = pytest.mark.mcore
+
 
 def rec(name, start, end, bucket=0, why=None):
     return GradRecord(name, start, end, bucket, why)

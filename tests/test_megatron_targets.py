@@ -3,6 +3,7 @@
 import dataclasses
 import types
 
+import pytest
 import torch
 
 from buffers.spans import Span
@@ -10,6 +11,8 @@ from megatron_ext.counted_spans import GradRecord
 from megatron_ext.layout import buffer_layout
 from megatron_ext.targets import buffer_target, mirror_view
 from tests.support.fakes import FakeGroup
+
+pytestmark = pytest.mark.mcore
 
 
 def fake_buffer(dp_rank, dp_size, dtype=torch.bfloat16):

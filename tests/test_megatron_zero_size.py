@@ -26,6 +26,8 @@ from tests.support.fakes import FakeGroup, megatron_buffer
 from tests.test_megatron_distopt_ranks import layout as mirrored_layout
 from tests.test_megatron_param_norms import reduce_ranks
 
+pytestmark = pytest.mark.mcore
+
 BF16 = torch.bfloat16
 
 # In layout order: every zero-size parameter shares its start with the one after it, and

@@ -12,6 +12,8 @@ import torch
 
 from megatron_ext import mixed_list_demo as demo
 
+pytestmark = pytest.mark.mcore
+
 CPU = torch.device("cpu")
 TE_KERNEL = "transformer_engine_torch.multi_tensor_l2norm"
 CUDA_ERROR = """Traceback (most recent call last):

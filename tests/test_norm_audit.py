@@ -27,6 +27,8 @@ from megatron_ext.norm_audit import (
 )
 from tests.support.spawn import spawn
 
+pytestmark = pytest.mark.mcore
+
 W = PieceKey(0, 0, "decoder.layers.0.mlp.linear_fc1.weight", 1, None)
 B = PieceKey(0, 0, "decoder.layers.0.input_layernorm.weight", None, None)
 OUT = PieceKey(1, 0, "output_layer.weight", 0, None)

@@ -6,6 +6,8 @@ import pytest
 
 from benchmarks import norm_clip
 
+pytestmark = pytest.mark.mcore
+
 
 def test_the_megatron_spans_rows_are_asked_for_by_their_label(capsys):
     args = norm_clip.parse_args(["--device", "cuda", "--variants", "flat,flat/megatron_spans"])

@@ -13,6 +13,8 @@ import pytest
 
 from megatron_ext import notices
 
+pytestmark = pytest.mark.mcore
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -15,6 +15,8 @@ from tests.support.offload_sim import (
     distopt_shaped,
 )
 
+pytestmark = pytest.mark.mcore
+
 
 @pytest.mark.parametrize("dp,rank", [(1, 0), (2, 1)])
 @pytest.mark.parametrize("pa", [True, False], ids=["pa", "main"])

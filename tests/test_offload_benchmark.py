@@ -7,6 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.mcore
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -23,6 +23,8 @@ from tests.support.offload_sim import (
     train_switching,
 )
 
+pytestmark = pytest.mark.mcore
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

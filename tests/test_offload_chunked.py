@@ -20,6 +20,8 @@ from tests.support.offload_sim import (
     train,
 )
 
+pytestmark = pytest.mark.mcore
+
 
 def test_chunked_step_reports_its_host_bytes_and_allocates_once(cpu_streams):
     ours = train(MirrorChunked, True, 1.0, 1, chunk=200, compute=64)

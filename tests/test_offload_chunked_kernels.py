@@ -16,6 +16,8 @@ from tests.support.offload_sim import (
     train,
 )
 
+pytestmark = pytest.mark.mcore
+
 FP64 = torch.float64
 
 

@@ -17,6 +17,8 @@ import torch
 from tests.test_megatron_cpu import batch, run_ranks, to_model
 from tests.test_megatron_cpu_reshard import adam_path, build
 
+pytestmark = pytest.mark.mcore
+
 pytest.importorskip("megatron.core")
 
 STEPS = 6

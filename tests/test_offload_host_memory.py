@@ -36,6 +36,8 @@ from tests.support.offload_sim import (
     sim,
 )
 
+pytestmark = pytest.mark.mcore
+
 BF16, FP32 = torch.bfloat16, torch.float32
 
 # a bf16 buffer (1000 parameter elements, 24 of padding between them, the largest 300, 40

@@ -20,6 +20,8 @@ from tests.support.offload_sim import (
     sim,
 )
 
+pytestmark = pytest.mark.mcore
+
 
 @pytest.mark.parametrize(
     "grad_dtype,param_dtype",

@@ -24,6 +24,8 @@ from megatron_ext.offload.host_mirror import build_buffer_mirror, chunk_copies
 from megatron_ext.offload.mirror_plan import MirrorLayout
 from megatron_ext.offload.step import CUT_QUANTUM, ChunkedAdamW, HostParam, chunk_spans
 
+pytestmark = pytest.mark.mcore
+
 BF16, FP32, FP64 = torch.bfloat16, torch.float32, torch.float64
 LR, BETAS, EPS = 1e-3, (0.9, 0.95), 1e-8
 # requests of at least this many elements are sparse file mappings (:func:`sparse_zeros`)

@@ -32,6 +32,8 @@ from tests.support.offload_sim import (
     train_switching,
 )
 
+pytestmark = pytest.mark.mcore
+
 BF16, FP32 = torch.bfloat16, torch.float32
 # exp_avg's and exp_avg_sq's dtypes
 MOMENTS = {"bf16": (BF16, BF16), "bf16_fp32": (BF16, FP32), "fp32_bf16": (FP32, BF16)}

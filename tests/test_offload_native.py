@@ -15,6 +15,8 @@ from buffers.spans import Span
 from megatron_ext.offload import host_kernel as native
 from megatron_ext.offload.step import ChunkedAdamW, HostParam, chunk_spans
 
+pytestmark = pytest.mark.mcore
+
 BF16 = torch.bfloat16
 needs_cc = pytest.mark.skipif(
     shutil.which("cc") is None, reason="needs a C compiler (cc) to build the kernel"

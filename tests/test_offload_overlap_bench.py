@@ -13,6 +13,8 @@ import torch
 from benchmarks import offload_overlap
 from megatron_ext.offload.threads import usable_cores
 
+pytestmark = pytest.mark.mcore
+
 
 def test_every_offloaded_configuration_comes_as_stock_exact_and_delayed():
     rows = offload_overlap.configs([1.0, 0.5])

@@ -29,6 +29,8 @@ import torch
 from tests.test_megatron_cpu import run_ranks
 from tests.test_megatron_cpu_reshard import adam_path
 
+pytestmark = pytest.mark.mcore
+
 pytest.importorskip("megatron.core")
 
 WARMUP = 3

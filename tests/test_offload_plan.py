@@ -24,6 +24,8 @@ from tests.support.offload_sim import (
     S,
 )
 
+pytestmark = pytest.mark.mcore
+
 
 def test_all_offloaded_gives_one_block_per_owned_range():
     # params at 64-aligned starts with padding between; two owned ranges (two buckets)

@@ -26,6 +26,8 @@ from tests.support.offload_sim import (
     train,
 )
 
+pytestmark = pytest.mark.mcore
+
 
 @pytest.mark.parametrize("dp,rank", [(1, 0), (2, 1)])
 @pytest.mark.parametrize("fp32_first", [True, False], ids=["fp32_first", "fp32_last"])

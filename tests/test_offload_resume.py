@@ -33,6 +33,8 @@ from tests.support.offload_sim import (
     sim,
 )
 
+pytestmark = pytest.mark.mcore
+
 
 class GroupStepAdam(torch.optim.Optimizer):
     """AdamW that keeps ``step`` per param group, as transformer-engine's ``FusedAdam``

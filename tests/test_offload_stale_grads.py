@@ -37,6 +37,8 @@ from tests.support.offload_sim import (
     sim,
 )
 
+pytestmark = pytest.mark.mcore
+
 ACTIVE = (True, False, True)  # step by step
 INACTIVE = ("w2", "router")  # a bf16 weight and a natively fp32 parameter
 BETAS, EPS = (0.9, 0.95), 1e-8  # make_hdo's

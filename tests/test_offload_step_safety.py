@@ -21,6 +21,8 @@ from tests.support.offload_sim import (
     train,
 )
 
+pytestmark = pytest.mark.mcore
+
 KERNELS = {"torch": MirrorChunkedTorch, "native": MirrorChunkedNative}
 
 

@@ -30,6 +30,8 @@ from tests.support.optimizers import (
     make_params,
 )
 
+pytestmark = pytest.mark.mcore
+
 
 class Recorder:
     def __init__(self, result=None):

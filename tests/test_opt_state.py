@@ -25,6 +25,8 @@ from tests.support.optimizers import (
     record_all_reduce,
 )
 
+pytestmark = pytest.mark.mcore
+
 SPECS = [Spec("w", 300, tp=True), Spec("b", 5), Spec("sink", 40, FP32), Spec("w2", 70)]
 
 

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from tests.support.optimizers import FP32, Spec
 from tests.support.spawn import spawn
 
+pytestmark = pytest.mark.mcore
+
 DENSE = [Spec("w_split", 300, tp=True), Spec("w_repl", 130), Spec("sink", 40, FP32)]
 EXPERT = [Spec("e_split", 200, tp=True, expert=True), Spec("e_repl", 90, expert=True)]
 

@@ -21,6 +21,8 @@ from tests.support.topology import (
     rule_experts_lost_tp_flag,
 )
 
+pytestmark = pytest.mark.mcore
+
 # About 7 s of tests on a 2-core CPU (worlds up to 64 ranks); importing Megatron adds ~10 s.
 PROPERTY = settings(max_examples=100, deadline=None)
 

@@ -1,6 +1,7 @@
 """Norm and clip show in a profile by name, as FSDP2's phases do ("FSDP::..."): a CPU
 profile of FlatGradBuffers and of a flat megatron-core optimizer finds every range."""
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -18,6 +19,8 @@ from tests.support.optimizers import (
     make_params,
     record_all_reduce,
 )
+
+pytestmark = pytest.mark.mcore
 
 
 def ranges_of(fn) -> list[str]:

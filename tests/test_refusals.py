@@ -8,6 +8,8 @@ import torch
 from megatron_ext.layout import BufferKey
 from megatron_ext.refusals import UnsupportedCombinationError, check
 
+pytestmark = pytest.mark.mcore
+
 
 class _FusedAdam:  # stands for transformer_engine.pytorch.optimizers.FusedAdam
     pass

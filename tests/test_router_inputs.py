@@ -19,6 +19,8 @@ import torch
 
 from tests.test_megatron_cpu import run_ranks
 
+pytestmark = pytest.mark.mcore
+
 H, E, TOKENS = 48, 4, 24
 
 

@@ -18,6 +18,8 @@ from megatron_ext import seam
 from megatron_ext.offload import HostMirrorHybridOptimizer
 from megatron_ext.optimizer import FlatChainedOptimizer, FlatNormOptimizer
 
+pytestmark = pytest.mark.mcore
+
 PACKAGE = Path(megatron_ext.__file__).parent
 
 

@@ -16,6 +16,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 import megatron_ext
 from megatron_ext import stack as stack_module
 
+pytestmark = pytest.mark.mcore
+
 BF16 = SimpleNamespace(bf16=True, fp16=False)
 
 
