@@ -320,6 +320,34 @@ def test_a_failing_host_update_is_raised_at_the_next_step(cpu_streams, monkeypat
     refuses_until_loaded(model, monkeypatch, real, saved)
 
 
+@pytest.mark.parametrize("mode", ["delayed", "overlapped"])
+def test_a_failing_gpu_resident_step_leaves_no_copy_to_the_host_in_flight(
+    cpu_streams, monkeypatch, mode
+):
+    """The GPU-resident part fails after the step issued its gradients' copies to the host
+    and before its worker started: every one of those copies is complete when the error
+    leaves (the host may free or reuse the staging), and no worker runs."""
+    from tests.support.offload_sim import MirrorChunked
+
+    class MirrorOverlap(MirrorChunked):
+        overlap_forward = True
+
+    model = Model(True, 0.5, cls=MirrorOverlap) if mode == "overlapped" else Model(True, 0.5)
+    model.hdo.delay_warmup = 0
+    assert model.hdo.gpu_optimizer is not None  # fraction 0.5: a GPU-resident part
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected GPU step failure")
+
+    monkeypatch.setattr(model.hdo.gpu_optimizer, "step", broken)
+    model.set_grads(_grads_of(model, torch.Generator().manual_seed(5)), 0)
+    with pytest.raises(RuntimeError, match="injected GPU step failure"):
+        model.hdo.step()
+    to_host = [op for op in cpu_streams.copies if op.what.startswith(("d2h", "island d2h"))]
+    assert to_host and all(cpu_streams.known_done(op) for op in to_host)
+    assert offload_internals.in_flight(model.hdo) is None
+
+
 def test_load_state_dict_drops_the_update_in_flight(cpu_streams):
     """A load while an update is in flight waits for it and drops it: the loaded state
     and parameters are what the next step starts from."""
