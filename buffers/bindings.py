@@ -225,32 +225,35 @@ class BindingWatch:
 
         def attach(grad: torch.Tensor) -> None:
             # Runs just before autograd accumulates into .grad (one hook per parameter and
-            # backward): a .grad that is None since zeroed() becomes the (zero) view, so the
-            # accumulation lands in the buffer. One that someone else set to None or
-            # replaced is left to torch, and taken in at the next call.
+            # backward; the usual paths cost an identity test or two): a .grad that is None
+            # since zeroed() becomes the (zero) view, so the accumulation lands in the
+            # buffer. One that someone else set to None or replaced is left to torch, and
+            # taken in at the next call.
             watch = mine()
             if watch is None:
                 return
             q = ref()
             if q is None or binding.taken:  # gone (its hook with it), or another's now
                 return
-            if grad.layout is not torch.strided:
+            if grad.layout is not _STRIDED:
                 raise GradientOutsideBufferError(
                     f"parameter {name!r} received a {grad.layout} gradient "
                     "(nn.Embedding(sparse=True)?), which its flat buffer would make dense "
                     f"(torch.optim.SparseAdam then refuses it): {SPARSE_FIX}"
                 )
-            if q.dtype is not binding.dtype or q.shape != binding.shape or q.device != device:
-                # converted: the view's dtype would be refused by torch without a name
-                watch.broken[pid] = None
-                raise GradientOutsideBufferError(watch.message(pid))
             now = q.grad
-            if now is None:
-                if watch.expected[index] is None:
+            if now is None and watch.expected[index] is None:
+                try:
                     q.grad = view
-                    watch.expected[index] = view
-            elif now is view and view.data_ptr() != root.data_ptr() + offset:
-                watch.broken[pid] = None  # .grad.data replaced
+                except RuntimeError:  # torch refuses the view of a converted parameter
+                    watch.refuse_converted(binding, q)
+                    raise
+                watch.expected[index] = view
+            elif now is not view or view.data_ptr() != root.data_ptr() + offset:
+                # set to None or replaced (torch's to handle), or .grad.data replaced
+                watch.refuse_converted(binding, q)
+                if now is view:
+                    watch.broken[pid] = None
 
         def freed(_ref, pid=pid) -> None:
             watch = mine()
@@ -262,8 +265,7 @@ class BindingWatch:
 
         self.hooks.append(p.register_hook(attach))
         ref = weakref.ref(p, freed)
-        device = p.device
-        binding = Binding(name, pid, ref, p.dtype, p.shape, device, view, root, offset, index)
+        binding = Binding(name, pid, ref, p.dtype, p.shape, p.device, view, root, offset, index)
         self.refs.append(ref)
         self.views.append(view)
         if p.grad is not None:
@@ -312,6 +314,13 @@ class BindingWatch:
         else:
             self.hooks.append(_hook_on_frozen(p, received))
         self.outsiders[pid] = (weakref.ref(p), name, reason)
+
+    def refuse_converted(self, b: Binding, p: torch.Tensor) -> None:
+        """``GradientOutsideBufferError`` if ``p``'s dtype, device or shape changed since
+        ``b`` was bound (named, with both), before torch refuses a gradient without a name."""
+        if p.dtype is not b.dtype or p.shape != b.shape or p.device != b.device:
+            self.broken[b.pid] = None
+            raise GradientOutsideBufferError(self.message(b.pid))
 
     def message(self, pid: int) -> str:
         """The report for one broken binding or watched outsider, on its own."""
@@ -538,6 +547,7 @@ def _report(causes: dict[Problem, list[str]]) -> str:
 
 
 _GRAD = operator.attrgetter("grad")
+_STRIDED = torch.strided
 
 
 def _describe(this: tuple, other: tuple) -> str:

@@ -431,6 +431,20 @@ def test_a_gradient_whose_data_is_reassigned_is_found():
         fgb.grad_norm()
 
 
+def test_a_gradient_whose_data_is_reassigned_is_found_by_the_next_backward():
+    # not the parameter every call samples: its hook sees it
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 7)]
+    fgb = FlatGradBuffers(params)
+    sum((p * p).sum() for p in params).backward()
+    params[1].grad.data = torch.zeros(7)
+    sum((p * p).sum() for p in params).backward()
+    with pytest.raises(
+        GradientOutsideBufferError,
+        match=r"storage of the gradient of parameter 'params\[1\]' was replaced",
+    ):
+        fgb.grad_norm()
+
+
 # --- gradients dropped or replaced after backward: torch's norm and clip ---------------------
 
 EDITS = {
