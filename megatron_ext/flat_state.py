@@ -3,13 +3,20 @@
 [Note: the class swap]
 megatron-core builds its optimizers inside ``get_megatron_optimizer`` and gives no hook to
 build them with other methods or extra state. :func:`megatron_ext.optimizer.enable_flat_norm`
-is the one place that reaches in afterwards: for each optimizer (every child of the chain,
-and the chain) it builds a :class:`FlatNormState`, attaches it as ``_flat``, and assigns
-``__class__`` to a direct subclass of the optimizer's own class holding the flat methods
+reaches in afterwards: for each optimizer (every child of the chain, and the chain) it builds
+a :class:`FlatNormState`, attaches it as ``_flat``, and assigns ``__class__`` to a direct
+subclass of the optimizer's own class holding the flat methods
 (:mod:`~megatron_ext.flat_optimizer`, :mod:`~megatron_ext.flat_chain`), with ``_flat_base``
-naming the megatron-core class whose methods the flat ones fall back on. Nothing else is set
-on megatron-core's objects. The mixins that hold the methods are typed against protocols of
-what they use from megatron-core's optimizers, so a type checker follows every attribute.
+naming the megatron-core class whose methods the flat ones fall back on. The CPU offload does
+the same to a distributed optimizer's ``HybridDeviceOptimizer``
+(:func:`megatron_ext.offload.attach_host_mirrors`: the class swapped for
+``HostMirrorHybridOptimizer``, its state one ``OffloadState`` set as ``offload``), and its
+overlapped step wraps each DDP bucket group's ``start_param_sync`` on the instance
+(:mod:`megatron_ext.offload.forward_waits`). These are not the only attributes set on
+megatron-core's objects: every one we read or set is listed in :mod:`megatron_ext.seam`, by
+the entry of the class it is on, and ``tests/test_seam_coverage.py`` holds the code to that
+list. The mixins that hold the methods are typed against protocols of what they use from
+megatron-core's optimizers, so a type checker follows every attribute.
 """
 
 from __future__ import annotations

@@ -3,9 +3,14 @@
 Each :class:`Entry` names one target in megatron-core, how we touch it (``subclass``,
 ``override``, ``class swap``, ``wrap``, ``replace``, ``re-point``, ``read``, ``call``),
 what that changes, why, the upstream issue where there is one, and the megatron-core
-versions it applies to. The rest of ``megatron_ext`` reaches megatron-core only through
-:func:`target` (and :func:`optional` for what some versions lack), so this table is the
-whole coupling.
+versions it applies to, and every attribute of megatron-core's objects we read or write
+(``attrs``, ``probes``, ``writes``, ``adds``). The rest of ``megatron_ext`` reaches
+megatron-core only through :func:`target` (and :func:`optional` for what some versions
+lack), and touches no attribute of its objects that an entry does not list, so this table
+is the whole coupling: ``tests/test_seam_coverage.py`` records every attribute our code
+reads or writes on megatron-core's objects through a CPU training loop and compares them
+with the table, and ``tests/test_seam.py`` checks that nothing imports megatron-core
+around it.
 
 :func:`check` runs when ``megatron_ext`` is imported, before anything is touched: the
 installed version must lie in :data:`SUPPORTED`, and every entry that applies to it must
@@ -89,7 +94,15 @@ class Entry:
         returns: the items of the tuple every ``return`` of the target builds, as written
             there (we index or unpack that tuple, or return one in its place); checked on
             the target's source.
-        attrs: instance attributes read or re-pointed (checked by :func:`check_instance`).
+        attrs: instance attributes we read, there on every instance (checked by
+            :func:`check_instance`). A method we call is not listed: an entry of its own
+            targets it.
+        probes: instance attributes we read where they are (``getattr`` with a default):
+            some versions or kinds of object lack them.
+        writes: megatron-core's instance attributes we assign (re-point), there before we
+            do (checked by :func:`check_instance`).
+        adds: attributes of ours we set on megatron-core's instances (our state and marks);
+            megatron-core's class must not have them (checked by :func:`check`).
         arity: (instance attribute, n): every value of that mapping (or item of that
             sequence) is a tuple we unpack into n names or index (checked by
             :func:`check_instance`).
@@ -109,6 +122,9 @@ class Entry:
     kind: str | None = None
     returns: tuple[str, ...] | None = None
     attrs: tuple[str, ...] = ()
+    probes: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    adds: tuple[str, ...] = ()
     arity: tuple[tuple[str, int], ...] = ()
     optional: bool = False
 
@@ -125,15 +141,17 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("DistributedDataParallelConfig", f"{_DDP}:DistributedDataParallelConfig",
           "subclass", "adds the per_dtype_grad_buffers field and its checks",
           "the option is a DDP config field, as megatron-core's own options are",
-          attrs=("use_megatron_fsdp", "num_distributed_optimizer_instances",
-                 "use_distributed_optimizer")),
+          attrs=("use_megatron_fsdp", "use_custom_fsdp", "num_distributed_optimizer_instances",
+                 "use_distributed_optimizer", "overlap_param_gather")),
     Entry("DistributedDataParallel", f"{_DDP}:DistributedDataParallel",
           "subclass", "casts keep_in_fp32 parameters to fp32 before the buffers are built; "
           "records each buffer's layout; carves one fp32 island per buffer",
           "fp32 parameters need their own (fp32) gradient buffer",
           params=("config", "ddp_config", "module", "*args", "**kwargs"),
           attrs=("buffers", "expert_parallel_buffers", "module", "intra_dp_cp_group",
-                 "intra_expt_dp_group")),
+                 "intra_expt_dp_group"),
+          probes=("config", "bucket_groups", "expert_parallel_bucket_groups"),
+          adds=("per_dtype_grad_buffers", "layout", "_by_key")),
     Entry("buffer layout", f"{_BUF}:_ParamAndGradBuffer", "read",
           "reads where each parameter's gradient sits, the buckets and the shard group",
           "spans are computed once from megatron-core's own layout",
@@ -144,17 +162,54 @@ ENTRIES: tuple[Entry, ...] = (
           "param.main_grad of fp32-local-accumulation parameters becomes a view of one "
           "fp32 island per buffer; buffer.extra_main_grads becomes [island]",
           "one zero and one fused norm launch per island instead of one per parameter",
-          attrs=("extra_main_grads",)),
+          writes=("extra_main_grads",)),
+    Entry("bucket", f"{_BUF}:_ParamAndGradBucket", "read",
+          "the parameters whose gradients accumulate in fp32 outside the buffer (islands); "
+          "the parameter bytes each bucket's all-gather sends (overlapped offload step)",
+          "islands are carved from them; the forward waits are found by byte range",
+          kind="class", attrs=("params_with_extra_main_grads", "param_data")),
+    Entry("bucket group", f"{_BUF}:_ParamAndGradBucketGroup", "read",
+          "the overlapped offload step's all-gather waits read each group's buckets, shard "
+          "and overlap_param_gather; at one rank without it, a gather while a host update is "
+          "in flight is skipped, leaving the two fields megatron-core's synchronous path "
+          "leaves (offload.forward_waits)",
+          "a gather must not send parameters the host has not sent back; at one rank it "
+          "moves nothing, and waiting there would end the overlap",
+          kind="class",
+          attrs=("buckets", "ddp_config", "intra_distributed_optimizer_instance_size",
+                 "intra_distributed_optimizer_instance_rank"),
+          writes=("param_gather_handle", "param_gather_dispatched")),
+    Entry("bucket group param sync", f"{_BUF}:_ParamAndGradBucketGroup.start_param_sync",
+          "wrap", "per instance, while the overlapped offload step is installed: waits for the "
+          "host update's chunks of the group's shard, then megatron-core's; taken off again "
+          "(offload.forward_waits)", "as bucket group",
+          params=("*args", "**kwargs"), writes=("start_param_sync",)),
     Entry("Float16Module", "megatron.core.transformer.module:Float16Module",
           "subclass", "restores keep_in_fp32 parameters (unrounded) after the cast",
           "megatron-core 0.19 casts every parameter to bf16/fp16",
-          params=("config", "module")),
+          params=("config", "module"), attrs=("module",)),
     Entry("MoE router", "megatron.core.transformer.moe.router:Router", "read",
           "a router whose weight is kept in fp32 gets a forward pre-hook that casts its "
           "input to fp32 (fp32.align_router_inputs)",
           "megatron-core's router_gating_linear hands a bf16 input and an fp32 weight to "
           "transformer-engine's GEMM, which cuBLAS refuses, or without TE rounds the weight "
-          "to bf16", kind="class"),
+          "to bf16", kind="class", probes=("weight",),
+          adds=("_megatron_ext_input_follows_weight",)),
+    Entry("model modules", "megatron.core.transformer.module:MegatronModule", "read",
+          "global parameter names: a transformer layer's layer_number (not an MTP layer's), "
+          "an expert module's num_local_experts and its ep_group's rank; probed on every "
+          "module of the model (megatron_ext.global_param_norms)",
+          "per-parameter norms are matched across pipeline and expert ranks by global name",
+          kind="class",
+          probes=("layer_number", "is_mtp_layer", "num_local_experts", "ep_group")),
+    Entry("TransformerConfig", "megatron.core.transformer.transformer_config:TransformerConfig",
+          "read", "build_stack takes bf16/fp16 from it; the overlapped offload step reads "
+          "whether CUDA graphs replay the forward; megatron_ext.train whether the model has "
+          "one pipeline stage", "an optimizer config as Megatron-LM builds it; a replayed "
+          "graph skips the forward pre-hooks; only one stage holds every parameter",
+          kind="class",
+          probes=("bf16", "fp16", "cuda_graph_impl", "enable_cuda_graph",
+                  "external_cuda_graph", "pipeline_model_parallel_size")),
     *(Entry(layer, f"megatron.core.tensor_parallel:{layer}", "read",
             "whether the module holds megatron-core's own linear layers built with the fusion on",
             "with gradient_accumulation_fusion they call apex's fused_weight_gradient_mlp_cuda; "
@@ -164,8 +219,19 @@ ENTRIES: tuple[Entry, ...] = (
     # -- optimizer construction -------------------------------------------------------------
     Entry("OptimizerConfig", "megatron.core.optimizer:OptimizerConfig", "call",
           "build_stack builds it from a mapping, use_distributed_optimizer set to agree with "
-          "the DDP config", "one argument says whether the distributed optimizer is on",
-          kind="class", attrs=("use_distributed_optimizer", "bf16", "fp16")),
+          "the DDP config; the flat optimizers read the clip, skip and zero-count settings, "
+          "the offload code the offload and precision-aware settings (a copy of the config "
+          "gets the fraction offload_fraction='auto' chose)",
+          "one argument says whether the distributed optimizer is on; the flat step does "
+          "what stock's does with the same settings",
+          kind="class",
+          attrs=("use_distributed_optimizer", "fp16", "clip_grad",
+                 "grad_norm_skip_threshold", "log_num_zeros_in_grad", "loss_scale",
+                 "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                 "optimizer_offload_fraction"),
+          probes=("optimizer_cpu_offload", "use_precision_aware_optimizer", "exp_avg_dtype",
+                  "exp_avg_sq_dtype", "main_params_dtype"),
+          writes=("optimizer_offload_fraction",)),
     Entry("get_megatron_optimizer", "megatron.core.optimizer:get_megatron_optimizer", "call",
           "builds the optimizers, then swaps their classes (below)",
           "same signature and return types as megatron-core's",
@@ -185,8 +251,7 @@ ENTRIES: tuple[Entry, ...] = (
           "one fused launch per buffer instead of a per-parameter list",
           attrs=("buffers", "model_float16_groups", "model_fp32_groups",
                  "shard_fp32_from_float16_groups", "shard_fp32_groups", "shard_float16_groups",
-                 "model_param_gbuf_map", "gbuf_ranges", "config", "optimizer",
-                 "init_state_fn"),
+                 "model_param_gbuf_map", "config", "optimizer", "init_state_fn"),
           arity=(("model_param_gbuf_map", 3),)),
     Entry("param group order", f"{_DIST}:DistributedOptimizer", "re-point",
           "model_param_group_index_map re-numbered in the order of the optimizer's own param "
@@ -196,7 +261,8 @@ ENTRIES: tuple[Entry, ...] = (
           "checkpoint save and load pair states with the wrong parameters (save fails: "
           "'AssertionError: (torch.Size([1024]), 512, 262656)', seen on the GPU)",
           attrs=("model_param_group_index_map", "model_float16_groups", "model_fp32_groups",
-                 "optimizer")),
+                 "optimizer"),
+          writes=("model_param_group_index_map",)),
     Entry("distopt without TE or Apex", f"{_DIST}:HAVE_APEX_OR_TE", "read",
           "whether megatron-core's distributed optimizer reads Adam's step from torch's "
           "per-parameter state (False: neither TE nor Apex)",
@@ -206,11 +272,27 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("param range map", f"{_DIST}:DistributedOptimizer._get_model_param_range_map",
           "call", "reads the range of a parameter this rank owns",
           "bindings of main gradients to mirror views", params=("param",)),
+    Entry("param range", f"{_DIST}:Range", "read",
+          "the owned range the param range map holds for a parameter",
+          "bindings, host-mirror sources and the group-order check index the buffer by it",
+          kind="class", attrs=("start", "end", "size")),
     Entry("Float16OptimizerWithFloat16Params", f"{_OPT}:Float16OptimizerWithFloat16Params",
           "class swap", "as DistributedOptimizer", "as DistributedOptimizer",
           attrs=("float16_groups", "fp32_from_float16_groups", "fp32_from_fp32_groups")),
     Entry("FP32Optimizer", f"{_OPT}:FP32Optimizer", "class swap", "as DistributedOptimizer",
           "as DistributedOptimizer"),
+    Entry("any optimizer", f"{_OPT}:MegatronOptimizer", "read",
+          "of every optimizer (each child of the chain, and the chain): its inner optimizer, "
+          "config and state initializer; whether it is a stub, loss-scaled, and its "
+          "tensor-parallel groups (where it has them); the flat state is added as _flat "
+          "([Note: the class swap] in megatron_ext.flat_state)",
+          "what the flat norm counts and reads, and the state before a checkpoint load",
+          kind="class", attrs=("optimizer", "config", "init_state_fn"),
+          probes=("is_stub_optimizer", "grad_scaler", "tp_group", "expert_tp_group"),
+          adds=("_flat",)),
+    Entry("float16 state_dict", f"{_OPT}:Float16OptimizerWithFloat16Params.state_dict",
+          "call", "the state float16 sharded_state_dict makes sharded",
+          "float16 sharded_state_dict", params=()),
     Entry("ChainedOptimizer", f"{_OPT}:ChainedOptimizer", "class swap",
           "norm, clip, zero count and step over every child's spans in one sequence",
           "stock takes one norm over the union of the children's gradients",
@@ -252,6 +334,12 @@ ENTRIES: tuple[Entry, ...] = (
           "the clip runs fused with the norm", params=()),
     Entry("chained helpers", f"{_OPT}:ChainedOptimizer.grads_states_parallel_group_is_shared",
           "call", "whether one norm spans every child", "as stock decides", params=()),
+    Entry("chained prepare", f"{_OPT}:ChainedOptimizer.prepare_grads", "call",
+          "chained step: every child's gradients ready (unscaled, copied), whether any "
+          "overflowed", "as stock's step", params=()),
+    Entry("chained inner steps", f"{_OPT}:ChainedOptimizer.step_with_ready_grads", "call",
+          "chained step: every child's inner step, once the norm and clip ran",
+          "as stock's step", params=()),
     Entry("load_state_dict", f"{_OPT}:Float16OptimizerWithFloat16Params.load_state_dict",
           "override", "megatron-core's load, then one step tensor per parameter again",
           "without TE/Apex, 0.19.2 shares one step tensor between all parameters",
@@ -318,13 +406,15 @@ ENTRIES: tuple[Entry, ...] = (
     # -- CPU offload -------------------------------------------------------------------------
     Entry("HybridDeviceOptimizer", f"{_HDO}:HybridDeviceOptimizer", "class swap",
           "gradients and parameters move through one pinned host mirror per buffer; CPU "
-          "copies' .data re-pointed into it (methods below)",
+          "copies' .data re-pointed into it (methods below); the offload step's state is "
+          "one OffloadState added as offload (megatron_ext.offload.offload_state)",
           "one copy per block instead of one per parameter",
           attrs=("cpu_param_groups", "gpu_param_groups", "gpu_params_map_cpu_copy",
                  "cpu_copys_map_gpu_param", "param_to_fp32_param", "pin_cpu_grads",
                  "cpu_optimizers", "gpu_optimizer", "param_update_in_fp32",
                  "fp32_param_to_orig_param", "param_to_inner_param", "state",
-                 "sub_optimizers")),
+                 "sub_optimizers", "param_groups", "_cpu_optimizer_map_data_event"),
+          probes=("cpu_optimizer_cls", "gpu_optimizer_cls"), adds=("offload",)),
     Entry("hdo placement", f"{_HDO}:HybridDeviceOptimizer._get_sub_optimizer_param_groups",
           "override", "while the sub-optimizers are rebuilt at attach time: the placement "
           "already made (the tuple megatron-core's returns, from the attributes its caller "
@@ -338,7 +428,9 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("hdo hooks", f"{_HDO}:HybridDeviceOptimizer._register_param_copy_back_gpu_hook",
           "override", "per-block hooks instead of per-parameter ones", "as above", params=()),
     Entry("hdo grads", f"{_HDO}:HybridDeviceOptimizer._set_sub_optimizer_grads", "override",
-          "one device-to-host copy per block", "as above", params=()),
+          "one device-to-host copy per block on the offload's own stream; each CPU "
+          "optimizer's event put in megatron-core's _cpu_optimizer_map_data_event, which "
+          "its step synchronizes before that optimizer's step", "as above", params=()),
     Entry("hdo step", f"{_HDO}:HybridDeviceOptimizer.step", "override",
           "with offload_step='chunked', the CPU update runs chunk by chunk over the host "
           "mirrors (megatron_ext.offload.step), pipelined with the copies, in series or "
@@ -562,6 +654,12 @@ def _problem(entry: Entry) -> str | None:
                 f"{entry.target}{shown}: {'; '.join(problems)} (we rely on "
                 f"({', '.join(entry.params)}) as a {mode})"
             )
+    holder = obj if isinstance(obj, type) else owner_obj
+    taken = [a for a in entry.adds if hasattr(holder, a)]
+    if taken:
+        return (
+            f"{entry.target} now has {', '.join(taken)} of its own, which we add to its instances"
+        )
     if entry.returns is not None:
         problem = _returns_problem(obj, entry.returns)
         if problem is not None:
@@ -668,10 +766,11 @@ def _present(entry: Entry) -> bool:
 
 
 def check_instance(name: str, obj) -> None:
-    """Check that ``obj`` has the instance attributes entry ``name`` reads or re-points, and
-    that the tuples we unpack from them (``arity``) have as many items as we take."""
+    """Check that ``obj`` has the instance attributes entry ``name`` reads (``attrs``) and
+    re-points (``writes``), and that the tuples we unpack from them (``arity``) have as many
+    items as we take."""
     entry = _BY_NAME[name]
-    missing = [a for a in entry.attrs if not hasattr(obj, a)]
+    missing = [a for a in (*entry.attrs, *entry.writes) if not hasattr(obj, a)]
     problems = [f"a {type(obj).__name__} has no {', '.join(missing)}"] if missing else []
     for attr, n in entry.arity:
         values = getattr(obj, attr, ())

@@ -16,6 +16,7 @@ import pytest
 import megatron_ext
 from megatron_ext import seam
 from megatron_ext.offload import HostMirrorHybridOptimizer
+from megatron_ext.offload.forward_waits import ForwardWaits
 from megatron_ext.optimizer import FlatChainedOptimizer, FlatNormOptimizer
 
 pytestmark = pytest.mark.mcore
@@ -129,6 +130,31 @@ def test_an_instance_without_an_attribute_we_read_is_refused():
         seam.check_instance("buffer layout", buf)
 
 
+def test_an_instance_without_an_attribute_we_re_point_is_refused():
+    entry = seam._BY_NAME["fp32 accumulation island"]
+    assert entry.writes == ("extra_main_grads",) and not entry.attrs
+    seam.check_instance("fp32 accumulation island", types.SimpleNamespace(extra_main_grads=[]))
+    with pytest.raises(
+        seam.MegatronCoreMismatchError,
+        match="'fp32 accumulation island'.*a SimpleNamespace has no extra_main_grads",
+    ):
+        seam.check_instance("fp32 accumulation island", types.SimpleNamespace())
+
+
+def test_an_attribute_we_add_that_megatron_core_now_has_is_refused(monkeypatch):
+    check_against(monkeypatch, "HybridDeviceOptimizer",
+                  HybridDeviceOptimizer=holder("HybridDeviceOptimizer"))  # fmt: skip
+    refused(monkeypatch, "HybridDeviceOptimizer",
+            r"HybridDeviceOptimizer now has offload of its own, which we add to its instances",
+            HybridDeviceOptimizer=holder("HybridDeviceOptimizer", offload=None))  # fmt: skip
+    # a method's entry checks the class that holds it
+    entry = seam.Entry("synthetic", f"{FAKE}:Holder.method", "call", "calls it", "test",
+                       params=(), adds=("mark",))  # fmt: skip
+    check_against(monkeypatch, entry, Holder=holder("Holder", method=lambda self: None))
+    refused(monkeypatch, entry, r"Holder.method now has mark of its own",
+            Holder=holder("Holder", method=lambda self: None, mark=1))  # fmt: skip
+
+
 # Every module of the package, subpackages included, except the seam's own (the table and its
 # signature checks): the name each check reports it by.
 MODULES = sorted(
@@ -204,6 +230,12 @@ def test_the_table_describes_every_entry():
         assert e.change and e.why, e.name
         assert e.kind is None or e.kind in seam._KINDS, e.name
         assert e.how in seam.SIGNATURES or e.params is None, e.name
+        # each attribute once per entry, in one field (a read of what we add is ours; one
+        # read and re-pointed is in attrs and writes)
+        fields = (e.attrs, e.probes, e.writes, e.adds)
+        assert all(len(set(f)) == len(f) for f in fields), e.name
+        assert not set(e.attrs) & set(e.probes), e.name
+        assert not set(e.adds) & {*e.attrs, *e.probes, *e.writes}, e.name
 
 
 # -- every entry checked against a fake megatron-core whose signature changed ---------------
@@ -580,7 +612,13 @@ def our_stand_ins():
 
     with optimizer._fp32_shards_as_leaves():
         build = optimizer.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+    # the overlapped offload step's wrapper, as it puts it on a bucket group
+    group = types.SimpleNamespace(start_param_sync=lambda force_sync=False: None)
+    waits = ForwardWaits.__new__(ForwardWaits)
+    waits.wrapped = []
+    waits._wrap(group)
     out = {
+        "bucket group param sync": group.start_param_sync,
         "DistributedDataParallel": ddp.DistributedDataParallel.__init__,
         "Float16Module": fp32.Float16Module.__init__,
         "fp32 shards as leaves": build.__func__,  # drop cls
