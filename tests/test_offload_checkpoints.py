@@ -4,7 +4,6 @@ step kinds, and the weights-only unpickler."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,9 @@ from tests.support.offload_sim import (
     train,
     train_switching,
 )
+from tests.support.spawn import process
 
 pytestmark = pytest.mark.mcore
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
@@ -124,36 +122,48 @@ def test_chunked_step_state_round_trip_keeps_the_trajectory(cpu_streams, fractio
             assert st["step"].item() == 4
 
 
+def _weights_only_load_before_and_after_allowing(path: str, out: str) -> None:
+    """In a process of its own: save a common state holding the optimizer classes, load it
+    with the weights-only unpickler, allow the classes, load it again; a line per step."""
+    import types
+
+    from megatron_ext.offload.checkpoint_classes import allow_optimizer_classes_in_checkpoints
+
+    lines = []
+    groups = [{"lr": 0.1, "cpu_optimizer_cls": torch.optim.AdamW,
+               "gpu_optimizer_cls": torch.optim.Adam}]  # fmt: skip
+    torch.save({"param_groups": groups}, path)
+    try:
+        torch.load(path)
+        lines.append("loaded before")
+    except Exception as e:  # noqa: BLE001 - which one is the result
+        lines.append(f"refused before: {type(e).__name__}")
+    hdo = types.SimpleNamespace(cpu_optimizer_cls=torch.optim.AdamW,
+                                gpu_optimizer_cls=torch.optim.Adam)  # fmt: skip
+    allowed = allow_optimizer_classes_in_checkpoints(hdo)
+    lines.append(f"allowed {[c.__name__ for c in allowed]}")
+    got = torch.load(path)["param_groups"][0]
+    lines.append(f"loaded after {got['cpu_optimizer_cls'] is torch.optim.AdamW} {got['lr']}")
+    Path(out).write_text("\n".join(lines))
+
+
 def test_offload_checkpoints_load_with_the_weights_only_unpickler(tmp_path):
     """megatron-core's offload optimizer keeps its optimizer classes in every param group;
     megatron-core 0.18 loads the common checkpoint state with torch's weights-only
-    unpickler, which refuses them until they are allowed. In a fresh process (torch's safe
-    globals are per process): refused before, loaded after."""
-    import subprocess
-
-    script = f"""
-import types, torch
-from megatron_ext.offload.checkpoint_classes import allow_optimizer_classes_in_checkpoints
-path = {str(tmp_path / "common.pt")!r}
-torch.save({{"param_groups": [{{"lr": 0.1, "cpu_optimizer_cls": torch.optim.AdamW,
-                                "gpu_optimizer_cls": torch.optim.Adam}}]}}, path)
-try:
-    torch.load(path)
-    print("loaded before")
-except Exception as e:
-    print("refused before:", type(e).__name__)
-hdo = types.SimpleNamespace(cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.Adam)
-print("allowed", [c.__name__ for c in allow_optimizer_classes_in_checkpoints(hdo)])
-got = torch.load(path)["param_groups"][0]
-print("loaded after", got["cpu_optimizer_cls"] is torch.optim.AdamW, got["lr"])
-"""
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    unpickler, which refuses them until they are allowed. In a process of its own (torch's
+    safe globals are per process; a rank of tests/support/spawn.py, which no test has run
+    in): refused before, loaded after."""
+    out = tmp_path / "lines.txt"
+    child = process(
+        _weights_only_load_before_and_after_allowing, args=(str(tmp_path / "common.pt"), str(out))
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.splitlines()
-    assert lines == [
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0, f"exit code {child.exitcode}"
+    assert out.read_text().splitlines() == [
         "refused before: UnpicklingError",
         "allowed ['AdamW', 'Adam']",
         "loaded after True 0.1",
-    ], done.stdout
+    ]
