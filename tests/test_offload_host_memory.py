@@ -90,6 +90,13 @@ CASES = {
         8704,
         8704 + 4 * 1064,
     ),
+    # chunks of 100 elements: no sub-range longer (the fp32 buffer's 64 are one)
+    "small_chunks": (
+        OffloadSettings(1.0, chunk_numel=100),
+        parts(staging=2464, params=4352, moments=8704, scratch=4 * 100 + 4 * 64),
+        2464,
+        2464 + 4352 + 4 * 1064,
+    ),
     # the delayed update: the parameters' own staging, 2 x 1024 + 4 x 64
     "split_staging": (
         OffloadSettings(1.0, split_staging=True),
@@ -351,18 +358,23 @@ def test_the_check_passes_at_the_budget_and_refuses_one_byte_under_it():
     assert "\n" not in message
     assert f"needs {need / 2**30:.1f} GiB" in message and "(stated budget)" in message
     assert "optimizer_offload_fraction=1" in message and "bf16" in message
-    # the fraction it names fits, the next one up does not
-    named = float(message.split("lower optimizer_offload_fraction to ")[1].split(" ")[0])
-    assert hm.host_bytes([BF, F32], dataclasses.replace(settings, fraction=named)).needed < need
-    above = dataclasses.replace(settings, fraction=round(named + 0.01, 2))
-    assert hm.host_bytes([BF, F32], above).needed > need - 1
+    # the fraction it names fits, the next one up does not, at any budget
+    for budget in range(500, need, 997):
+        with pytest.raises(OffloadMemoryError) as err:
+            hm.check_host_memory([BF, F32], settings, HostMemory(budget, "stated"))
+        text = str(err.value).split("lower optimizer_offload_fraction to ")[1]
+        named = float(text.split(" ")[0])
+        at = dataclasses.replace(settings, fraction=named)
+        assert hm.host_bytes([BF, F32], at).needed <= budget
+        above = dataclasses.replace(settings, fraction=round(named + 0.01, 2))
+        assert hm.host_bytes([BF, F32], above).needed > budget
     # bf16 moments: what they would need, or not offered where they are kept already
     narrow = hm.host_bytes([BF, F32], OffloadSettings(1.0, (BF16, BF16))).needed
     assert f"{narrow / 2**30:.1f} GiB)" in message
     bf16_settings = OffloadSettings(1.0, (BF16, BF16))
     with pytest.raises(OffloadMemoryError) as err:
         hm.check_host_memory([BF, F32], bf16_settings, HostMemory(narrow - 1, "stated"))
-    assert "bf16" not in str(err.value).split("; ")[1]
+    assert "keep the Adam moments in bf16" not in str(err.value)
     with pytest.raises(OffloadMemoryError, match="and the chunked step"):
         hm.check_host_memory(
             [BF, F32], OffloadSettings(1.0, step="megatron"), HostMemory(100, "stated")
@@ -506,12 +518,15 @@ def test_get_megatron_optimizer_refuses_before_megatron_core_allocates(stock_bui
         megatron_ext.get_megatron_optimizer(config, [_fake_chunk()], options=exact)
     assert stock_builder == [config]
     # no offload: no check at all
+    checked, real_check = [], hm.check_before_build
+    monkeypatch.setattr(hm, "check_before_build", lambda *a: checked.append(a))
     with pytest.raises(_Reached):
         megatron_ext.get_megatron_optimizer(
             _offload_config(optimizer_cpu_offload=False, use_precision_aware_optimizer=False),
             [_fake_chunk()],
-            options=tight,
         )
+    assert checked == [] and len(stock_builder) == 2
+    monkeypatch.setattr(hm, "check_before_build", real_check)
     # host mirrors off: megatron-core's own copies (16 bytes an element)
     stock = megatron_ext.MegatronOptions(host_mirrors=False, offload_host_bytes=16000 - 1)
     with pytest.raises(OffloadMemoryError, match="and the chunked step"):
@@ -626,7 +641,6 @@ def built_offload_job(rank, world, log, out_dir):
     return out
 
 
-@pytest.mark.mcore
 def test_the_estimate_from_megatron_layouts_is_what_the_built_mirrors_hold(tmp_path):
     """megatron-core's DDP and distributed optimizer on the CPU (one rank; bf16 weights and
     a natively fp32 parameter; islands are the simulation's test above), offloaded through

@@ -194,7 +194,7 @@ def _per_element(buf: ShardBuffer, s: OffloadSettings) -> dict[str, tuple[int, b
             "Adam moments": (moments, False),
         }
     width = max(g, p)
-    in_place = g == 4 and width == 4  # the staging holds the fp32 gradients the step reads
+    in_place = g == 4  # the staging holds the fp32 gradients the step reads (p <= 4)
     lean = s.step == "chunked"
     return {
         "pinned staging": (width + (p if s.split_staging else 0), True),
@@ -397,7 +397,7 @@ def _cgroup_headroom(proc: Path, cgroup_root: Path) -> tuple[int, str] | None:
             else:
                 limit = _read_int(d / "memory.limit_in_bytes")
                 used = _read_int(d / "memory.usage_in_bytes")
-            if limit is None or used is None or limit >= 2**60:  # v1's "no limit"
+            if limit is None or used is None:  # v2's "max": no limit (v1's is huge)
                 continue
             left = max(limit - used, 0)
             if best is None or left < best[0]:
