@@ -9,9 +9,16 @@ The flow, one module each:
   parameters and gradients, the per-block copies, built once;
 - :mod:`.step`: the CPU update over a mirror's blocks, in chunks (:mod:`.host_kernel`: its
   compiled kernel);
-- :mod:`.chunked`: the chunked step's driver, exact or one step late;
+- :mod:`.chunked`: the chunked step's driver, in its three modes: exact, delayed (one step
+  late) and overlapped (exact, beside the next forward pass);
+- :mod:`.forward_waits`: the overlapped step's waits in the forward pass (module pre-hooks,
+  the parameter all-gathers);
+- :mod:`.offload_state`: the mode, the copy streams and what the step carries from one call
+  to the next, one named object on the optimizer;
 - :mod:`.hybrid`: megatron-core's ``HybridDeviceOptimizer`` driving the above
-  (:func:`attach_host_mirrors`; :func:`megatron_ext.drain_offload` lands a delayed update);
+  (:func:`attach_host_mirrors`; :func:`megatron_ext.drain_offload` lands an update in flight);
+- :mod:`.host_memory`: what the offloaded part needs of host and GPU memory, worked out and
+  checked before building;
 - :mod:`.threads`, :mod:`.moment_dtypes`, :mod:`.checkpoint_classes`: the host threads,
   the Adam moment dtypes read from megatron-core's config, loading its checkpoints.
 """
