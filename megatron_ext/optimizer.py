@@ -65,7 +65,10 @@ def get_megatron_optimizer(
     the kernels' backend, CUDA-graph replay, and with CPU offload
     (``optimizer_cpu_offload=True``) whether gradients and parameters move through one
     pinned host mirror per flat buffer (``host_mirrors=True``, the default;
-    :mod:`megatron_ext.offload`) or megatron-core's per-parameter copies.
+    :mod:`megatron_ext.offload`) or megatron-core's per-parameter copies. With CPU offload
+    the host and GPU memory it needs are checked first, and the fraction chosen with
+    ``offload_fraction="auto"`` (:func:`megatron_ext.offload.host_memory.check_before_build`):
+    ``OffloadMemoryError`` before megatron-core allocates anything.
     """
     flags = [bool(getattr(m, "per_dtype_grad_buffers", False)) for m in model_chunks]
     if not any(flags):
