@@ -141,6 +141,7 @@ SCRIPTS = (
     "train_step.py",
     "cpu_norm.py",
     "offload_overlap.py",
+    "offload_scale.py",
 )
 
 

@@ -146,11 +146,14 @@ def selected_configs(args) -> list[tuple[str, dict, dict | None]]:
     ]
 
 
-def build(args, overrides: dict, options: dict | None):
+def build(args, overrides: dict, options: dict | None, layer_spec: str = "local"):
+    """The model in megatron-core's DDP and its optimizer: ``overrides`` of the
+    ``OptimizerConfig``; ``options``: ours (``MegatronOptions`` fields, fp32 islands) or None
+    for stock (islands in bf16); ``layer_spec``: :data:`benchmarks.train_step.LAYER_SPECS`."""
     import megatron_ext
     from benchmarks.train_step import _model
 
-    config, module = _model(args, fp32_islands=options is not None)
+    config, module = _model(args, fp32_islands=options is not None, layer_spec=layer_spec)
     stack = megatron_ext.build_stack(
         module,
         config,
@@ -187,10 +190,12 @@ def batches(args, count: int, device="cuda") -> list[tuple[torch.Tensor, ...]]:
 
 def train_step(model, opt, micro: list, synced=None, lag: Lagged | None = None) -> torch.Tensor:
     """One training step over the micro-batches ``micro``; the mean loss (a device tensor).
+    ``opt``: None for forward and backward alone (gradients synced, no optimizer step);
     ``synced``: a CUDA event recorded once the gradients are synced; ``lag``: forward and
     backward read the parameters one step late (:class:`Lagged`)."""
     model.zero_grad_buffer()
-    opt.zero_grad()
+    if opt is not None:
+        opt.zero_grad()
     total = torch.zeros((), device=micro[0][0].device)
     with lag.late_values() if lag is not None else _nothing():
         for i, (tokens, position, mask, labels) in enumerate(micro):
@@ -202,6 +207,8 @@ def train_step(model, opt, micro: list, synced=None, lag: Lagged | None = None) 
         model.finish_grad_sync()
     if synced is not None:
         synced.record()
+    if opt is None:
+        return total
     if lag is not None:
         lag.before_step()
     opt.step()

@@ -77,9 +77,16 @@ CONFIGS = [
 ]
 
 
-def _model(args, fp32_islands: bool):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+LAYER_SPECS = ("local", "te")  # megatron-core's local layers, or transformer-engine's
+
+
+def _model(args, fp32_islands: bool, layer_spec: str = "local"):
+    """(TransformerConfig, the GPT of ``args``' sizes in our ``Float16Module``); its layers
+    ``layer_spec``: ``"local"`` (megatron-core's own) or ``"te"`` (transformer-engine's,
+    which must import)."""
+    if layer_spec not in LAYER_SPECS:
+        raise ValueError(f"layer_spec {layer_spec!r}: use one of {list(LAYER_SPECS)}")
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -95,9 +102,12 @@ def _model(args, fp32_islands: bool):
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
     )
-    gpt = GPTModel(
-        config, get_gpt_layer_local_spec(), vocab_size=args.vocab, max_sequence_length=args.seq
-    ).cuda()
+    spec = (
+        gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        if layer_spec == "te"
+        else gpt_layer_specs.get_gpt_layer_local_spec()
+    )
+    gpt = GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq).cuda()
     for layer in gpt.decoder.layers:
         alpha = torch.nn.Parameter(
             torch.ones(

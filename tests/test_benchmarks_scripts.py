@@ -18,7 +18,7 @@ pytestmark = pytest.mark.mcore
 
 SCRIPTS = (
     "norm_clip", "memory", "offload", "offload_step", "clip_step", "train_step", "cpu_norm",
-    "offload_overlap",
+    "offload_overlap", "offload_scale",
 )  # fmt: skip
 HELPERS = (
     "common", "inventories", "norm_clip_variants", "norm_clip_measure", "norm_clip_stock",
