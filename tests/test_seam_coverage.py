@@ -38,6 +38,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import enum
 import queue
 import sys
 import types
@@ -596,6 +597,23 @@ def test_a_class_swap_is_covered_only_by_a_class_swap_entry(recorded):
     )
 
 
+def test_a_read_that_found_nothing_is_covered_only_by_an_entry_listing_the_name():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    log = AccessLog()
+    # asking whether it is a chain (ChainedOptimizer's attribute), and a name nobody lists
+    for name in ("chained_optimizers", "no_entry_lists_this"):
+        log.note(Access(DistributedOptimizer, name, "read"), "megatron_ext.x:1", found=False)
+    log.note(Access(DistributedOptimizer, "buffers", "read"), "megatron_ext.x:2", found=False)
+    assert uncovered(log, seam.ENTRIES) == [
+        "read of DistributedOptimizer.no_entry_lists_this (megatron_ext.x:1)"
+    ]
+    assert misfiled_probes(log, seam.ENTRIES) == [
+        "read of DistributedOptimizer.buffers (megatron_ext.x:2): 'DistributedOptimizer' "
+        "lists it in attrs"
+    ]
+
+
 def test_an_attribute_listed_but_never_touched_is_reported(recorded):
     extra = [
         dataclasses.replace(e, probes=(*e.probes, "not_an_attribute"))
@@ -622,6 +640,8 @@ def _fake_megatron():
 
     class Core:
         level = 1
+        other = 8  # read only where it must not be noted
+        shared = 9  # read only by buffers' code
 
         def __init__(self):
             self.kept = 2
@@ -667,19 +687,23 @@ f = mod.buffers
 g = mod.inner
 h = mod.named_parameters
 i = isinstance(obj, list)
+j = obj.__dict__
 ours.__class__ = Core
 """
     with seam_access.recording([Core, CoreModule]) as log:
         _run_as("megatron_ext.fake", source, obj=core, ours=ours, mod=mod, Core=Core)
         _run_as("tests.fake", source, obj=Core(), ours=Ours(), mod=CoreModule(), Core=Core)
-        _run_as("megatron_ext.seam", "x = obj.kept", obj=core)
+        _run_as("tests.fake", "x = obj.other", obj=core)
+        _run_as("buffers.fake", "x = obj.shared", obj=core)
+        _run_as("megatron_ext.seam", "x = obj.other", obj=core)
         scope = {"__name__": "megatron_ext.generated", "obj": core}
-        exec(compile("y = obj.kept", "<string>", "exec"), scope)  # no file: generated
+        exec(compile("y = obj.other", "<string>", "exec"), scope)  # no file: generated
     got = {(a.cls.__name__, a.name, a.mode) for a in log.where}
     assert got == {
         ("Core", "kept", "read"),
         ("Core", "level", "read"),
         ("Core", "method", "read"),
+        ("Core", "shared", "read"),
         ("Core", "absent", "read"),
         ("Core", "kept", "write"),
         ("Core", "added", "write"),
@@ -688,24 +712,52 @@ ours.__class__ = Core
         ("Ours", "__class__", "write"),
     }
     assert {(a.name, a.mode) for a in log.absent} == {("absent", "read")}
-    assert all(w.startswith("megatron_ext.fake:") for w in log.where.values())
+    assert log.where[Access(Core, "shared", "read")] == "buffers.fake:1"
+    assert all(
+        w.startswith("megatron_ext.fake:")
+        for a, w in log.where.items()
+        if a != Access(Core, "shared", "read")
+    )
     assert log.hooked == [Core, CoreModule]
     # the hooks are gone, and the objects work as before
     assert "__getattribute__" not in vars(Core) and "__setattr__" not in vars(CoreModule)
     assert core.kept == 6 and not hasattr(core, "added") and mod.inner.in_features == 1
 
 
-def test_the_recorder_hooks_each_megatron_core_class_tree_once():
+def test_the_recorder_hooks_each_megatron_core_class_tree_once(monkeypatch):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-    roots = seam_access.megatron_roots()
-    assert MegatronOptimizer in roots and DistributedOptimizer not in roots
-    assert all(c.__module__.startswith("megatron.core") for c in roots)
-    # below a root only a class with its own attribute access (which would bypass the root's)
-    own = {"__getattribute__", "__setattr__", "__delattr__"}
-    below = [c for c in roots if any(b in roots for b in c.__mro__[1:])]
-    assert all(own & set(vars(c)) for c in below)
+    assert MegatronOptimizer in seam_access.megatron_roots()
+    assert DistributedOptimizer not in seam_access.megatron_roots()
+
+    class Base:
+        pass
+
+    class Plain(Base):
+        pass
+
+    class Frozen(Base):  # its own attribute access would bypass Base's hook
+        def __setattr__(self, name, value):
+            raise AttributeError(name)
+
+    class Kind(enum.Enum):
+        A = 1
+
+    class Failure(Exception):
+        pass
+
+    class Slotted:
+        __slots__ = ("x",)
+
+    module = types.ModuleType(FAKE)
+    for c in (Base, Plain, Frozen, Kind, Failure, Slotted):
+        c.__module__ = FAKE
+        setattr(module, c.__name__, c)
+    module.Imported = torch.nn.Linear  # another module's class, named here
+    monkeypatch.setitem(sys.modules, FAKE, module)
+    mine = [c for c in seam_access.megatron_roots() if c.__module__ == FAKE]
+    assert mine == [Base, Frozen]
 
 
 def test_a_seam_check_is_not_a_use():

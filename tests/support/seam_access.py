@@ -97,13 +97,7 @@ def _skipped(obj: object, name: str) -> bool:
     module = owner.__module__ or ""
     if not (module == "builtins" or module == "torch" or module.startswith("torch.")):
         return True  # ours (a class we built: its module may be the metaclass's, "abc")
-    value = vars(owner)[name]
-    if hasattr(type(value), "__set__") or hasattr(type(value), "__delete__"):
-        return True  # a data descriptor wins over the instance's dictionary
-    try:
-        return name not in object.__getattribute__(obj, "__dict__")
-    except AttributeError:
-        return True
+    return name not in object.__getattribute__(obj, "__dict__")
 
 
 def megatron_roots() -> list[type]:
