@@ -119,3 +119,28 @@ def test_every_copy_runs_on_the_offloads_own_streams(monkeypatch, step, overlap)
     assert log.compute not in (streams.to_host, streams.to_device)
     assert streams.to_host is not streams.to_device
     assert (hdo._d2h_stream is log.compute) == (not overlap)  # megatron-core's own, unused
+
+
+def test_no_module_binds_the_cuda_stream_api_at_import():
+    """The recording stand-ins replace ``torch.cuda.Stream``, ``Event``, ``stream`` and
+    ``current_stream`` on the module; code that bound one of them at import
+    (``from torch.cuda import Event``) would keep the real one and run unchecked. Every
+    module of the package reaches them through ``torch.cuda.`` at the call."""
+    import ast
+    from pathlib import Path
+
+    replaced = {"Stream", "Event", "stream", "current_stream", "default_stream"}
+    root = Path(__file__).resolve().parents[1]
+    bound = []
+    for path in sorted([*root.glob("megatron_ext/**/*.py"), *root.glob("buffers/**/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in (
+                "torch.cuda",
+                "torch.cuda.streams",
+            ):
+                bound += [f"{path.name}: {a.name}" for a in node.names if a.name in replaced]
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute):
+                v = node.value
+                if v.attr in replaced and ast.unparse(v.value) == "torch.cuda":
+                    bound.append(f"{path.name}: {ast.unparse(node)}")
+    assert not bound, bound
