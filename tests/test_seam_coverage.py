@@ -14,10 +14,13 @@ HybridDeviceOptimizer), while ``tests/support/seam_access.py`` records each attr
   0.5 through host mirrors with the precision-aware optimizer: the exact chunked step, a
   checkpoint saved and loaded through ``dist_checkpointing`` into a fresh stack that steps
   on; the delayed update (a warm-up step, ``state_dict``, a drain); the overlapped step (its
-  forward pre-hooks and bucket-group waits); megatron-core's per-parameter step;
+  forward pre-hooks and bucket-group waits); megatron-core's per-parameter step; the fraction
+  chosen for the GPU's free memory (``offload_fraction="auto"``, a stand-in for the free
+  memory); a loss scale over bf16 gradients, which ``get_megatron_optimizer`` refuses;
 - the same model with ``Float16OptimizerWithFloat16Params`` (no distributed optimizer): a
   step, its sharded state dict, a state-dict round trip.
 
+The run takes a few seconds; it runs twice, the first time unrecorded (see ``recorded``).
 Each test compares what was recorded with the table. An entry covers the instances of its
 class (the target, or the class whose method the target is) and of its subclasses:
 
@@ -50,6 +53,7 @@ import torch
 
 import megatron_ext
 from megatron_ext import seam
+from megatron_ext.offload import host_memory
 from tests.support import seam_access
 from tests.support.seam_access import Access, AccessLog
 
@@ -59,16 +63,9 @@ PACKAGE = Path(megatron_ext.__file__).parent
 BF16 = torch.bfloat16
 H, F, BATCH = 16, 24, 4
 
-# (entry, attribute) -> the path that touches it, which the run above does not take.
+# (entry, attribute) of a read, (entry, attribute, "write") of a write or an add -> the path
+# that touches it, which the run above does not take.
 NOT_RUN: dict[tuple[str, ...], str] = {
-    **{
-        ("OptimizerConfig", name): "refusals.check's message for a loss-scaled "
-        "precision-aware optimizer with bf16 gradients, a configuration it refuses"
-        for name in ("loss_scale", "fp16")
-    },
-    ("OptimizerConfig", "optimizer_offload_fraction", "write"): "offload_fraction='auto' "
-    "(host_memory.check_before_build) sets the fraction it chose on a copy of the config; "
-    "it reads the GPU's free memory",
     ("TransformerConfig", "pipeline_model_parallel_size"): "megatron_ext.train's check "
     "that every --keep-in-fp32-params pattern matched (Megatron-LM's training loop)",
 }
@@ -130,22 +127,25 @@ def _config():
 DDP = dict(param_name_patterns_for_fp32_local_accumulation=("w2",))
 
 
+# Adam clipped, CPU-offloaded at 0.5 with the precision-aware optimizer
+OFFLOADED = dict(
+    optimizer="adam",
+    lr=0.01,
+    clip_grad=1.0,
+    optimizer_cpu_offload=True,
+    optimizer_offload_fraction=0.5,
+    use_precision_aware_optimizer=True,
+)
+
+
 def _net_stack(seed: int = 3, **options):
-    """``Net`` in our DDP, Adam clipped, CPU-offloaded at 0.5 through host mirrors
-    (``MegatronOptions(**options)``) with the precision-aware optimizer."""
-    optimizer = dict(
-        optimizer="adam",
-        lr=0.01,
-        clip_grad=1.0,
-        optimizer_cpu_offload=True,
-        optimizer_offload_fraction=0.5,
-        use_precision_aware_optimizer=True,
-    )
+    """``Net`` in our DDP, :data:`OFFLOADED` through host mirrors
+    (``MegatronOptions(**options)``)."""
     stack = megatron_ext.build_stack(
         Net(seed),
         _config(),
         ddp=DDP,
-        optimizer=optimizer,
+        optimizer=OFFLOADED,
         options=megatron_ext.MegatronOptions(offload_chunk_numel=64, **options),
     )
     return stack.model, stack.optimizer
@@ -201,7 +201,8 @@ def _gpt_run() -> None:
 
 
 def _offload_runs(checkpoint: str) -> None:
-    """The offloaded steps: exact with a checkpoint, delayed, overlapped, per parameter."""
+    """The offloaded steps: exact with a checkpoint, delayed, overlapped, per parameter; a
+    refused configuration."""
     from megatron.core import dist_checkpointing
 
     model, opt = _net_stack(offload_step="chunked")
@@ -227,6 +228,17 @@ def _offload_runs(checkpoint: str) -> None:
 
     model, opt = _net_stack(offload_step="per_parameter")
     _steps(model, opt, range(2))
+
+    # the fraction chosen for the GPU's free memory (1 MiB here), set on a copy of the config
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(host_memory, "gpu_free_bytes", lambda: 1 << 20)
+        _net_stack(offload_fraction="auto", offload_gpu_headroom=0)
+
+    # refused at construction: a loss scale over bf16 gradients (its message reads the config)
+    with pytest.raises(megatron_ext.UnsupportedCombinationError, match="loss_scale=1024.0"):
+        megatron_ext.build_stack(
+            Net(), _config(), ddp=DDP, optimizer={**OFFLOADED, "loss_scale": 1024.0}
+        )
 
 
 def _float16_run() -> None:
