@@ -1,21 +1,22 @@
 """Which attributes of megatron-core's objects the project's code reads and writes, recorded
 while it runs (test support for ``tests/test_seam_coverage.py``).
 
-:func:`recording` gives every class of megatron-core that is loaded (the roots of its class
-trees: a subclass inherits the hook, ours included) a ``__getattribute__``, ``__setattr__``
-and ``__delattr__`` that note the access when the frame making it belongs to ``megatron_ext``
-or ``buffers`` (the seam's own checks, :mod:`megatron_ext.seam`, excepted: asking whether an
-attribute is there is not using it), then do what the class did before. Attribute lookups
-of megatron-core's own code, of torch and of the tests go through unrecorded. Everything is
-restored when the block ends.
+:func:`recording` gives the classes of megatron-core loaded then (the roots of its class
+trees, and any class below one with its own attribute access: a subclass inherits the hook,
+ours included) a ``__getattribute__``, ``__setattr__`` and ``__delattr__`` that note the
+access when the code making it is ours: a function in a file of ``megatron_ext`` or
+``buffers`` (not the seam's own checks, :mod:`megatron_ext.seam`: asking whether an attribute
+is there is not using it; not code generated at run time, such as a dataclass's
+``__init__``). Then they do what the class did before. megatron-core's own code, torch's and
+the tests' go through unrecorded. Everything is restored when the block ends.
 
 An access is noted with the object's class, the attribute's name, whether it was a read or a
-write, whether the attribute was there (a ``getattr`` with a default of an absent one is a
-probe), and the first place in our code that made it. Reads of what is ours are left out: an
-attribute our class defines (our methods, our subclasses' class attributes), and dunder
-names (``isinstance`` reads ``__class__``); so are torch's own methods (``named_parameters``,
-``register_forward_pre_hook``): the seam is megatron-core's part of these objects. A write
-of ``__class__`` (a class swap) is noted.
+write, whether a read found it (a ``getattr`` with a default of an absent one is a probe),
+and the first place in our code that made it. Left out, as not megatron-core's part of the
+object: dunder names (``isinstance`` reads ``__class__``), names our classes define (our
+methods, our subclasses' settings), and names torch or Python define (``named_parameters``,
+``register_forward_pre_hook``) unless the instance's own attribute shadows them. A write of
+``__class__`` (a class swap) is noted.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def _skipped(obj: object, name: str) -> bool:
         return False
     module = owner.__module__ or ""
     if not (module == "builtins" or module == "torch" or module.startswith("torch.")):
-        return True  # ours (a class we built: its module may be the metaclass's, "abc")
+        return True  # ours (a class we build may take its metaclass's module, "abc")
     return name not in object.__getattribute__(obj, "__dict__")
 
 
