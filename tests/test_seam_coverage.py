@@ -315,7 +315,11 @@ def recorded(tmp_path_factory) -> AccessLog:
     every module of megatron-core it imports lazily (checkpoint strategies, model code) is
     loaded and its classes are hooked the second time."""
     tmp = tmp_path_factory.mktemp("seam")
-    with pytest.MonkeyPatch.context() as patch, _one_rank(tmp, patch):
+    with (
+        torch.random.fork_rng(devices=[]),  # the GPT's initial values: seeded, then restored
+        pytest.MonkeyPatch.context() as patch,
+        _one_rank(tmp, patch),
+    ):
         _run(tmp / "warm-up")
         before = set(seam_access.megatron_roots())
         with seam_access.recording() as log:
