@@ -186,9 +186,9 @@ def enable_flat_norm(opt, model_chunks, *, options: MegatronOptions | None = Non
 
 
 def _give_flat_methods(opt, state: FlatNormState) -> None:
-    """Attach ``state`` and swap ``opt``'s class for its flat subclass: the one place that
-    changes megatron-core's optimizers after they are built ([Note: the class swap] in
-    :mod:`megatron_ext.flat_state`)."""
+    """Attach ``state`` and swap ``opt``'s class for its flat subclass ([Note: the class
+    swap] in :mod:`megatron_ext.flat_state`, which lists what else is set on megatron-core's
+    objects; the seam's table lists every attribute)."""
     opt._flat = state
     opt.__class__ = _flat_class(type(opt))
 
