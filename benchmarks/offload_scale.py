@@ -139,11 +139,12 @@ def megatron_flops(layers: int, hidden: int, vocab: int, seq: int, sequences: in
 
 
 def gpt_params(layers: int, hidden: int, vocab: int, seq: int) -> int:
-    """The GPT's parameters: word and position embeddings (the output layer shares the
-    word embedding), per layer ``12 h^2 + 13 h`` (QKV, projection, MLP, two layer norms,
-    biases) and the fp32 island (``h``), the final layer norm."""
+    """The GPT's parameters: word and position embeddings, the output layer (megatron-core's
+    ``GPTModel`` does not share it with the word embedding by default), per layer
+    ``12 h^2 + 13 h`` (QKV, projection, MLP, two layer norms, biases) and the fp32 island
+    (``h``), the final layer norm."""
     per_layer = 12 * hidden**2 + 13 * hidden + hidden
-    return vocab * hidden + seq * hidden + layers * per_layer + 2 * hidden
+    return 2 * vocab * hidden + seq * hidden + layers * per_layer + 2 * hidden
 
 
 def peak_tflops(device_name: str, given: float | None) -> float | None:
@@ -199,9 +200,10 @@ class Built:
     ``optimizer``: ours or stock's chain (read for pinned bytes and drained), else None;
     ``resize(n)``: what changes the step to ``n`` micro-batches where the build fixed it
     (DeepSpeed's gradient accumulation), else None; ``info()``: fields for the row, read
-    after its steps."""
+    after its steps; ``params``: the parameters of the model built."""
 
     step: Callable[[list], Any]
+    params: int
     optimizer: Any = None
     resize: Callable[[int], None] | None = None
     info: Callable[[], dict] = dict
@@ -224,12 +226,18 @@ def build_kind(args, kind: str, layer_spec: str) -> Built:
     """Build ``kind``'s model and optimizer (for ``fwd_bwd``, the model in our DDP alone)."""
     if kind == "fwd_bwd":
         model = ddp_model(args, layer_spec)
-        return Built(lambda micro: offload_overlap.train_step(model, None, micro))
+        return Built(lambda micro: offload_overlap.train_step(model, None, micro), numel(model))
     if kind == "deepspeed":
         return deepspeed_build(args, layer_spec)
     _, overrides, options = kind_configs(args.fraction)[kind]
     model, opt = offload_overlap.build(args, overrides, options, layer_spec=layer_spec)
-    return Built(lambda micro: offload_overlap.train_step(model, opt, micro), optimizer=opt)
+    step = lambda micro: offload_overlap.train_step(model, opt, micro)  # noqa: E731
+    return Built(step, numel(model), optimizer=opt)
+
+
+def numel(module: torch.nn.Module) -> int:
+    """Elements of ``module``'s parameters, each once."""
+    return sum(p.numel() for p in module.parameters())
 
 
 def ddp_model(args, layer_spec: str):
@@ -307,7 +315,8 @@ def deepspeed_build(args, layer_spec: str) -> Built:
             "optimizer_class": f"{type(engine.optimizer).__name__}/{type(inner).__name__}",
         }
 
-    return Built(step, resize=lambda n: engine.set_train_batch_size(n * args.batch), info=info)
+    resize = lambda n: engine.set_train_batch_size(n * args.batch)  # noqa: E731
+    return Built(step, numel(module), resize=resize, info=info)
 
 
 def offload_memory(opt) -> dict[str, int]:
@@ -426,6 +435,7 @@ def measure_kind(args, kind: str, write: Callable[[list[dict]], None]) -> list[d
         built_at = time.perf_counter()
         host_built = host_memory()["VmRSS"]
         common["build_s"] = built_at - t0
+        common["params_built"] = built.params
         say(f"{kind}: built in {common['build_s']:.1f} s, host RSS {gib(host_built or 0):.1f} GiB")
     except Exception as exc:  # a kind that cannot build is a row per micro-batch count
         error = failed(exc)

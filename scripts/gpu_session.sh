@@ -13,6 +13,9 @@
 # stock; table and JSON in $OUT/te_layers), megatron_lm_te (tests/gpu/megatron_lm_te.py:
 # pretrain_gpt.py with TE's layers, 20 iterations per configuration, ours vs stock; JSON,
 # table and PNG in $OUT/megatron_lm_te; MEGATRON_LM_TE_ARGS adds its flags, e.g. --configs).
+# scale (benchmarks/offload_scale.py at one size: SCALE_ARGS its arguments, required, e.g.
+# "--size 2.7b --kinds fwd_bwd exact"; each kind in a process of its own; SCALE_LIMIT, default
+# 540 s; DeepSpeed from .whl/deepspeed/ when carried, scripts/fetch_deepspeed_wheels.sh).
 # NORM_CLIP_ARGS replaces norm_clip's extra args. pack (last): everything under $OUT into
 # $OUT/results.tgz. Without .whl/*.whl, the megatron-core a previous call installed is used.
 set -uo pipefail
@@ -83,6 +86,18 @@ for s in "$@"; do
       read -ra extra <<< "${OFFLOAD_OVERLAP_ARGS:---loss-steps 200}"
       step offload_overlap ${BENCH_LIMIT:-300} python3 benchmarks/offload_overlap.py --device cuda \
         --out "$OUT/bench" "${extra[@]}" ;;
+    scale)  # one GPT size, its kinds each in a fresh process; the table at the log's end.
+      # DeepSpeed's wheels (pure Python, its CPU Adam compiled on first use by ninja) go to a
+      # folder of their own, on the path of this step only
+      read -ra extra <<< "${SCALE_ARGS:?scale step: set SCALE_ARGS, e.g. --size 2.7b}"
+      if compgen -G ".whl/deepspeed/*.whl" > /dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target /tmp/ds-site .whl/deepspeed/*.whl || exit 1
+      fi
+      PYTHONPATH=$PYTHONPATH:/tmp/ds-site PATH=/tmp/ds-site/bin:$PATH step scale \
+        ${SCALE_LIMIT:-540} python3 benchmarks/offload_scale.py --device cuda --out "$OUT/bench" \
+        "${extra[@]}"
+      tail -n 40 "$OUT/scale.log" ;;
     offload_step)  # fractions 1.0 and 0.5, each at several CPU thread counts
       read -ra extra <<< "${OFFLOAD_STEP_ARGS:---threads 4 8 16 --warmup 1 --reps 20 --rounds 2}"
       for f in 1.0 0.5; do

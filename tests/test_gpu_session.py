@@ -81,3 +81,46 @@ def test_the_overlap_forward_step_runs_the_training_loop_tests_on_cuda(tmp_path)
         "or training_loop"
     ), call
     assert (out / "overlap_forward.log").exists()
+
+
+def test_the_scale_step_runs_one_size_with_deepspeed_on_its_own_path(tmp_path):
+    """SCALE_ARGS is required and passed whole; DeepSpeed's wheels, when carried in
+    .whl/deepspeed/, go to /tmp/ds-site, which this step alone has on PYTHONPATH (after the
+    others) and its bin/ (ninja) first on PATH; the table's end follows the step's line."""
+    root, log, out, env = stub_repo(tmp_path)
+    python3 = tmp_path / "bin" / "python3"
+    python3.write_text(
+        '#!/usr/bin/env bash\necho "PATH=${PATH%%:*} PYTHONPATH=${PYTHONPATH:-} $*" >> '
+        '"$STUB_LOG"\nps -o args= -p $PPID >> "$STUB_LOG.parent"\necho "scale table line"\n'
+    )
+    env.pop("SCALE_ARGS", None)
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "scale"], cwd=root, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode != 0 and "scale step: set SCALE_ARGS" in proc.stderr
+    env["SCALE_ARGS"] = "--size 6.7b --kinds fwd_bwd exact"
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "scale"], cwd=root, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert "=== scale exit 0" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.rstrip().endswith("scale table line")  # the log's end, shown
+    calls = log.read_text().splitlines()
+    assert not any("/tmp/ds-site" in c for c in calls[:-1])  # no DeepSpeed carried: none
+    assert calls[-1] == (
+        f"PATH=/tmp/ds-site/bin PYTHONPATH=/tmp/site:{root}:/tmp/ds-site "
+        f"benchmarks/offload_scale.py --device cuda --out {out}/bench --size 6.7b --kinds "
+        "fwd_bwd exact"
+    )
+    parents = Path(f"{log}.parent")
+    assert parents.read_text().splitlines()[-1].startswith("timeout 540 python3 benchmarks/")
+    (root / ".whl" / "deepspeed").mkdir()
+    (root / ".whl" / "deepspeed" / "deepspeed-0.19.8-py3-none-any.whl").write_bytes(b"w")
+    env["SCALE_LIMIT"] = "7"
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "scale"], cwd=root, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert "=== scale exit 0" in proc.stdout, proc.stdout + proc.stderr
+    install = log.read_text().splitlines()[-2]
+    assert install.endswith(
+        "-m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
+        "--target /tmp/ds-site .whl/deepspeed/deepspeed-0.19.8-py3-none-any.whl"
+    ), install
+    assert (out / "scale.log").read_text() == "scale table line\n"
+    assert parents.read_text().splitlines()[-1].startswith("timeout 7 python3 benchmarks/")
