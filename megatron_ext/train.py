@@ -15,9 +15,12 @@ Run Megatron-LM's own launch script through this module and add the flags::
 - ``--log-per-layer-grad-norm`` (needs the first): per-layer gradient norms every
   ``--log-interval``, from the step's own norm pass.
 
-``python -m megatron_ext.train --help`` lists these first, one line each, then Megatron-LM's
-arguments; flags ``--per-dtype-grad-buffers`` does not support are refused in one line
-before the script runs (:func:`refuse_unsupported`).
+``python -m megatron_ext.train --help`` lists our flags, one line each (``--help-megatron``
+lists Megatron-LM's arguments; ``SCRIPT --help`` both, ours first). Before the script
+runs, a bad value of one of our flags is one error line, and flags ``--per-dtype-grad-buffers``
+does not support are refused in one line (:func:`refuse_unsupported`); where torch sees no
+GPU, the script is refused in one line when it parses Megatron-LM's training arguments,
+before Megatron-LM prints them.
 
 The flags are added to the script's parser through Megatron's ``extra_args_provider``.
 With none of them, nothing of megatron-core or ``megatron.training`` is replaced: the run is
@@ -37,6 +40,7 @@ A launcher of your own can call :func:`install` before it imports
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import re
@@ -323,6 +327,9 @@ FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
 )
 
 
+OUR_OPTION_STRINGS = frozenset(s for flags, _ in FLAGS for s in flags)
+
+
 def mark_matching(module: torch.nn.Module, patterns: Iterable[str]) -> list[str]:
     """Mark every parameter of ``module`` whose name matches a pattern; return their names."""
     compiled = [re.compile(p) for p in patterns]
@@ -469,27 +476,48 @@ def install() -> TrainingPatches:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m megatron_ext.train SCRIPT ARGS...``: run SCRIPT as ``__main__``, installed."""
+    """``python -m megatron_ext.train SCRIPT ARGS...``: run SCRIPT as ``__main__``, installed.
+
+    ``--help`` lists our flags; ``--help-megatron`` Megatron-LM's arguments; ``SCRIPT
+    --help`` both, ours first (without running SCRIPT). Exits 2 with a usage line and one
+    error line without SCRIPT, and with one error line for a bad value of one of our flags;
+    1 with one line for a refusal (:func:`refuse_unsupported`, no GPU).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        print(f"megatron_ext.train: error: no SCRIPT given; {MORE_HELP}", file=sys.stderr)
+        raise SystemExit(2)
+    if argv[0] in ("-h", "--help"):
         print(help_text())
-        raise SystemExit(0 if argv else 2)
+        raise SystemExit(0)
+    if argv[0] == HELP_MEGATRON:
+        print(megatron_help())
+        raise SystemExit(0)
     script = find_script(argv[0])
-    if not {"-h", "--help"} & set(argv[1:]):
-        try:
-            refuse_unsupported(argv[1:])
-        except UnsupportedTrainingOptionError as e:
-            raise SystemExit(f"megatron_ext.train: error: {e}") from None
+    if {"-h", "--help"} & set(argv[1:]):
+        # not the script's own --help: at core_v0.19.0 pretrain_gpt.py parses its arguments
+        # first through megatron.training's parse_args, whose help raises on a bare "%"
+        print(help_text(megatron=True))
+        raise SystemExit(0)
+    try:
+        refuse_unsupported(argv[1:])
+    except argparse.ArgumentError as e:  # one of our flags: one line, not Megatron's usage
+        print(f"megatron_ext.train: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except UnsupportedTrainingOptionError as e:
+        raise SystemExit(f"megatron_ext.train: error: {e}") from None
     sys.argv = [str(script), *argv[1:]]
     sys.path.insert(0, str(script.parent))  # as `python SCRIPT` does: its sibling modules
     patches = install()
+    # outermost, so that it runs before Megatron-LM parses (and prints) its arguments
+    patches.replace("training args", _refusing_without_cuda(seam.target("training args")))
     try:
         runpy.run_path(str(script), run_name="__main__")
     except AssertionError as e:
         patches.drain(quiet=True)  # no host update left running when the loop fails
-        # Megatron-LM's initialize_megatron asserts CUDA ("Megatron requires CUDA."): one
-        # line instead of its traceback; the check stays Megatron-LM's, so a script that
-        # runs without CUDA (tests, data preprocessing) still runs
+        # a script that calls initialize_megatron without parsing Megatron-LM's arguments
+        # first: its assert ("Megatron requires CUDA.") in one line instead of a traceback
         if "requires CUDA" in str(e) and not torch.cuda.is_available():
             raise SystemExit(f"megatron_ext.train: error: {NEEDS_CUDA}") from None
         raise
@@ -502,18 +530,35 @@ def main(argv: list[str] | None = None) -> None:
         patches.remove()
 
 
+def _refusing_without_cuda(parse: Callable) -> Callable:
+    """``parse_and_validate_args`` that first refuses, where torch sees no GPU, a script
+    that parses Megatron-LM's training arguments: what comes next in every such script is
+    ``pretrain``, whose ``initialize_megatron`` asserts CUDA, after Megatron-LM printed
+    every argument (~850 lines). A script that never parses them still runs without a GPU."""
+
+    def parse_and_validate_args(*args, **kwargs):
+        if not torch.cuda.is_available():
+            raise SystemExit(f"megatron_ext.train: error: {NEEDS_CUDA}")
+        return parse(*args, **kwargs)
+
+    return parse_and_validate_args
+
+
 NEEDS_CUDA = (
     "Megatron-LM's training loop needs a CUDA GPU (its initialize_megatron asserts one) and "
     "torch sees none; on the CPU, use buffers.FlatGradBuffers (python -m buffers.demo shows it)"
 )
+HELP_MEGATRON = "--help-megatron"
+USAGE = f"usage: python -m megatron_ext.train [--help | {HELP_MEGATRON}] SCRIPT [ARGS...]"
+MORE_HELP = (
+    f"--help lists our flags, {HELP_MEGATRON} Megatron-LM's, SCRIPT --help both (ours first)"
+)
 
 
-USAGE = "usage: python -m megatron_ext.train SCRIPT [ARGS...]"
-
-
-def help_text() -> str:
-    """What ``python -m megatron_ext.train --help`` prints: our flags, one line each, first;
-    then Megatron-LM's arguments, or one line saying why they cannot be listed here."""
+def help_text(*, megatron: bool = False) -> str:
+    """What ``python -m megatron_ext.train --help`` prints: the usage and our flags, one
+    line each, then where Megatron-LM's arguments are listed (``megatron``: those
+    arguments, as ``SCRIPT --help`` prints them)."""
     labels = [" ".join(flags) + _values(kwargs) for flags, kwargs in FLAGS]
     width = max(map(len, labels))
     lines = [
@@ -527,9 +572,16 @@ def help_text() -> str:
             for label, (_, kwargs) in zip(labels, FLAGS, strict=True)
         ),
         "",
-        megatron_help(),
     ]
-    return "\n".join(lines)
+    if megatron:
+        return "\n".join([*lines, megatron_help()])
+    return "\n".join(
+        [
+            *lines,
+            f"Megatron-LM's own arguments: python -m megatron_ext.train {HELP_MEGATRON} lists",
+            "them; python -m megatron_ext.train SCRIPT --help lists ours, then them.",
+        ]
+    )
 
 
 def _values(kwargs: dict) -> str:
@@ -568,10 +620,11 @@ def refuse_unsupported(argv: list[str]) -> None:
     Runs before the script, so the refusal comes before Megatron-LM's own argument checks
     (whose asserts on, e.g., ``--use-torch-fsdp2`` would otherwise come first, as a
     traceback) and before megatron-core's output layer raises at construction. A command
-    line this cannot read is left to Megatron-LM's parser.
+    line this cannot read for one of Megatron-LM's flags is left to Megatron-LM's parser.
 
     Raises:
         UnsupportedTrainingOptionError: names the flags and what to do.
+        argparse.ArgumentError: a bad value of one of our flags (argparse's message).
     """
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     add_arguments(pre)
@@ -585,8 +638,10 @@ def refuse_unsupported(argv: list[str]) -> None:
     pre.add_argument(NO_FUSION, action="store_false", dest="gradient_accumulation_fusion")
     try:
         args, _ = pre.parse_known_args(argv)
-    except argparse.ArgumentError:
-        return
+    except argparse.ArgumentError as e:
+        if e.argument_name in OUR_OPTION_STRINGS:
+            raise
+        return  # one of Megatron-LM's flags: its own parser reports it
     if args.gradient_accumulation_fusion and not wgrad_fusion.fusion_kernel_available():
         # both sides of a comparison: stock fails too, inside megatron-core's output layer
         raise UnsupportedTrainingOptionError(
@@ -778,7 +833,9 @@ def _parse_then_enable(parse: Callable, patches: TrainingPatches):
             return add_arguments(parser)
 
         if not {"-h", "--help"} & set(sys.argv[1:]):
-            refuse_unsupported(sys.argv[1:])  # before Megatron-LM's own checks assert
+            # a bad value of one of our flags is left to Megatron-LM's parser to report
+            with contextlib.suppress(argparse.ArgumentError):
+                refuse_unsupported(sys.argv[1:])  # before Megatron-LM's own checks assert
         args = parse(
             extra_args_provider=provider,
             ignore_unknown_args=ignore_unknown_args,

@@ -35,33 +35,73 @@ OUR_FLAGS = (
 )
 
 
-def test_train_help_lists_our_flags_first_one_line_each_then_megatrons(capsys):
-    with pytest.raises(SystemExit) as exc:
-        train.main(["--help"])
-    assert exc.value.code == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("usage: python -m megatron_ext.train SCRIPT")
+def _our_flags_one_line_each(lines: list[str]) -> int:
+    """Check that ``lines`` list our flags first, one line each; the index of the last."""
     options = [i for i, line in enumerate(lines) if line.lstrip().startswith("--")]
     first = options[: len(OUR_FLAGS)]
     for i, flag in zip(first, OUR_FLAGS, strict=True):
         label, _, meaning = lines[i].strip().partition("  ")
         assert label.split()[0] == flag and len(meaning.strip()) > 20, lines[i]
         assert not lines[i + 1].startswith(" " * 8), "a flag's help continues on a second line"
-    rest = "\n".join(lines[first[-1] + 1 :])
-    pytest.importorskip("megatron.training.arguments")
-    assert "Megatron-LM's arguments" in rest
-    assert "--tensor-model-parallel-size" in rest and "--use-torch-fsdp2" in rest
+    return first[-1]
+
+
+def test_train_help_lists_our_flags_one_line_each_and_where_megatrons_are(capsys):
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--help"])
+    assert exc.value.code == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].startswith("usage: python -m megatron_ext.train") and err == ""
+    last = _our_flags_one_line_each(lines)
+    rest = "\n".join(lines[last + 1 :])
+    assert len(lines) < 25 and "--tensor-model-parallel-size" not in out  # ours alone
+    assert "--help-megatron lists" in rest and "SCRIPT --help lists ours, then them" in rest
+
+
+def _megatrons_arguments(text: str) -> None:
+    assert "Megatron-LM's arguments (megatron.training)" in text
+    assert "--tensor-model-parallel-size" in text and "--use-torch-fsdp2" in text
     # megatron-core 0.19.2's own --help raises on a bare "10%)": escaped, it prints
-    assert "--moe-paged-stash-buffer-size-factor-cuda" in rest or "10%)" not in rest
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in text or "10%)" not in text
 
 
-def test_train_help_says_why_megatrons_arguments_are_missing(capsys, monkeypatch):
+def test_megatrons_arguments_are_listed_when_asked(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("megatron.training.arguments")
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--help-megatron"])
+    assert exc.value.code == 0
+    _megatrons_arguments(capsys.readouterr().out)
+    # SCRIPT --help: ours first, then Megatron-LM's, refusals and the script not run
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    monkeypatch.setattr(train, "install", lambda: (_ for _ in ()).throw(_Ran()))
+    for flags in (["--help"], ["--per-dtype-grad-buffers", "--use-torch-fsdp2", "-h"]):
+        with pytest.raises(SystemExit) as exc:
+            train.main([str(script), *flags])
+        assert exc.value.code == 0
+        lines = capsys.readouterr().out.splitlines()
+        last = _our_flags_one_line_each(lines)
+        _megatrons_arguments("\n".join(lines[last + 1 :]))
+
+
+def test_megatrons_arguments_say_why_they_are_missing(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.training.arguments", None)  # import fails
     with pytest.raises(SystemExit):
-        train.main(["--help"])
+        train.main(["--help-megatron"])
     out = capsys.readouterr().out
-    assert all(flag in out for flag in OUR_FLAGS)
     assert "Megatron-LM's arguments: not listed, megatron.training does not import" in out
+
+
+def test_without_a_script_a_usage_line_and_an_error_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        train.main([])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 2, err
+    usage, error = err.splitlines()
+    assert usage.startswith("usage: python -m megatron_ext.train ") and "SCRIPT" in usage
+    assert error.startswith("megatron_ext.train: error: no SCRIPT given; --help lists")
 
 
 def test_a_scripts_parser_lists_our_group_first_and_formats_every_help():
@@ -177,7 +217,6 @@ def test_unsupported_flags_are_refused_in_one_line_before_the_script_runs(
     [
         ["--per-dtype-grad-buffers", "--use-distributed-optimizer", "--optimizer", "sgd"],
         ["--use-torch-fsdp2"],  # without our flag: stock, not ours to refuse
-        ["--per-dtype-grad-buffers", "--use-torch-fsdp2", "--help"],  # help wins
         ["--per-dtype-grad-buffers", "--num-distributed-optimizer-instances", "two"],
     ],
 )
@@ -187,6 +226,74 @@ def test_supported_or_unreadable_command_lines_reach_the_script(flags, tmp_path,
     monkeypatch.setattr(train, "install", lambda: (_ for _ in ()).throw(_Ran()))
     with pytest.raises(_Ran):
         train.main([str(script), *flags, NO_FUSION])
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--offload-threads", "0"], "argument --offload-threads: 0 is not positive"),
+        (["--offload-threads=x"], "argument --offload-threads: 'x' is not an integer"),
+        (["--offload-step", "fast"], "argument --offload-step: invalid choice: 'fast'"),
+        (["--offload-convert", "gpu"], "argument --offload-convert: invalid choice: 'gpu'"),
+        (["--offload-delay-warmup", "-1"], "argument --offload-delay-warmup: expected an int"),
+        (["--keep-in-fp32-params", "a,x["], "argument --keep-in-fp32-params: 'x[' is not a"),
+        (["--per-dtype-grad-buffers=yes"], "argument --per-dtype-grad-buffers: ignored explicit"),
+        (["--lr", "1", "--offload-threads"], "argument --offload-threads: expected one argument"),
+    ],
+)
+def test_a_bad_value_of_our_flags_is_one_line_before_the_script_runs(
+    flags, named, tmp_path, monkeypatch, capsys
+):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    monkeypatch.setattr(train, "install", lambda: (_ for _ in ()).throw(_Ran()))
+    with pytest.raises(SystemExit) as exc:
+        train.main([str(script), "--per-dtype-grad-buffers", "--lr", "1e-3", *flags, NO_FUSION])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err  # not Megatron-LM's 735-line usage
+    assert err.startswith("megatron_ext.train: error: " + named), err
+
+
+TINY = [  # a small GPT, as Megatron-LM's parser takes it
+    *("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"),
+    *("--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1"),
+    *("--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"),
+]
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_without_a_gpu_the_script_is_refused_before_megatron_prints_its_arguments(
+    gpu, tmp_path, monkeypatch, capsys
+):
+    # what pretrain_gpt.py does first; next comes pretrain(), whose initialize_megatron
+    # asserts CUDA after Megatron-LM printed every argument
+    from megatron.training import global_vars
+
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(
+        "from megatron.training.arguments import parse_and_validate_args\n"
+        "parse_and_validate_args(args_defaults={'tokenizer_type': 'GPT2BPETokenizer'})\n"
+        "raise SystemExit('parsed')\n"
+    )
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    monkeypatch.setattr(sys, "path", sys.path[:])
+    monkeypatch.setenv("RANK", "0")
+    before = seam.target("training args")
+    try:
+        with warnings.catch_warnings(), pytest.raises(SystemExit) as exc:
+            warnings.simplefilter("ignore")
+            train.main([str(script), *TINY, NO_FUSION])
+    finally:
+        global_vars.unset_global_variables()
+    assert seam.target("training args") is before  # restored
+    out = capsys.readouterr().out
+    if gpu:  # the same script parses, and Megatron-LM prints its arguments
+        assert exc.value.code == "parsed" and "----- arguments -----" in out
+    else:
+        assert exc.value.code == f"megatron_ext.train: error: {train.NEEDS_CUDA}"
+        assert "arguments" not in out, out[:2000]
 
 
 @pytest.mark.parametrize("ours", [["--per-dtype-grad-buffers"], []], ids=["ours", "stock"])

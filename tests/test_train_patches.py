@@ -158,6 +158,14 @@ def test_an_unsupported_combination_stops_the_parse(megatron_parse):
         megatron_parse("--per-dtype-grad-buffers", "--optimizer", "lion")
 
 
+def test_a_bad_value_of_our_flags_is_left_to_megatrons_parser(megatron_parse, capsys):
+    # a launcher of one's own: Megatron-LM's parser reports it as a usage error
+    with pytest.raises(SystemExit) as exc:
+        megatron_parse("--per-dtype-grad-buffers", "--offload-threads", "0")
+    assert exc.value.code == 2
+    assert "error: argument --offload-threads: 0 is not positive" in capsys.readouterr().err
+
+
 def test_installing_twice_is_refused():
     patches = train.install()
     try:
@@ -321,8 +329,14 @@ def test_the_entry_point_runs_a_script_as_main(tmp_path, flag):
     (tmp_path / "script.py").write_text(textwrap.dedent(FAKE_SCRIPT))
     (tmp_path / "sibling.py").write_text("VALUE = 7\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MEGATRON_LM_PATH": str(tmp_path)}
+    # the entry point as `python -m megatron_ext.train` runs it, where torch reports a GPU:
+    # without one, it refuses a script that parses Megatron-LM's arguments (test_entry_points)
+    launcher = (
+        "import sys, torch; torch.cuda.is_available = lambda: True; "
+        "from megatron_ext.train import main; main(sys.argv[1:])"
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.train", "script.py", *RECIPE, *flag],
+        [sys.executable, "-c", launcher, "script.py", *RECIPE, *flag],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
     )  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -342,17 +356,19 @@ def test_the_entry_point_runs_a_script_as_main(tmp_path, flag):
     not os.environ.get("MEGATRON_LM_PATH"),
     reason="MEGATRON_LM_PATH is not set (scripts/fetch_megatron_lm.sh brings pretrain_gpt.py)",
 )
-def test_pretrain_gpt_parses_our_flags():
-    # Megatron-LM 0.19's own --help fails (a stray '%' in one of its help strings), so a
-    # usage error shows that the script ran, imported its siblings and knows our flags.
+def test_pretrain_gpt_without_a_gpu_is_refused_before_it_prints_its_arguments():
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_ext.train", "pretrain_gpt.py", *RECIPE,
-         "--per-dtype-grad-buffers", "--keep-in-fp32-params", "router,x["],
+         "--per-dtype-grad-buffers", "--keep-in-fp32-params", "router"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
     )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "argument --keep-in-fp32-params: 'x[' is not a regular expression" in proc.stderr
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    # the script ran (its version lines; its sibling modules imported) up to its parse
+    assert "> Megatron-Core version" in proc.stdout and "arguments" not in proc.stdout
+    assert len(proc.stdout.splitlines()) < 10, proc.stdout[-3000:]
+    last = proc.stderr.splitlines()[-1]
+    assert last == f"megatron_ext.train: error: {train.NEEDS_CUDA}", proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("fails", [False, True])
