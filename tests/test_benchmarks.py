@@ -3,27 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.bench_scripts import load_script, read_outputs
+from tests.support.bench_scripts import load_script, memory_run_given, read_outputs
 
 pytestmark = pytest.mark.mcore
 
 
 def test_memory_layout_and_measured_rows(tmp_path, capsys):
-    """``benchmarks/memory.py --device cpu``'s rows and tables: of a run made here, or, with
-    ``MEMORY_BENCH_OUT`` set, of the run that already wrote that folder, what it printed in
-    its ``stdout.txt`` (CI: the main job's run and output, so that memory.py, a third of a
-    minute on the CPU, runs once)."""
+    """``benchmarks/memory.py --device cpu``'s rows and tables: of a run made here, or of the
+    main job's in CI ([Note: memory.py runs once in CI] in tests/support/bench_scripts.py)."""
     script = load_script("memory")
-    given = os.environ.get("MEMORY_BENCH_OUT")
+    given = memory_run_given()
     if given:
-        out = Path(given)
-        printed = (out / "stdout.txt").read_text()
+        out, printed, _ = given
     else:
         out = tmp_path
         script.main(["--device", "cpu", "--out", str(tmp_path)])
