@@ -1,6 +1,21 @@
 import pytest
 import torch
 
+# Test support holding helpers that several test modules share: their assertions report
+# the values they compared, as a test module's own do (pytest rewrites only those).
+pytest.register_assert_rewrite(
+    "tests.support.delayed_model",
+    "tests.support.distopt_ranks",
+    "tests.support.gpt_on_the_cpu",
+    "tests.support.gpu_mixed_stack",
+    "tests.support.gpu_offload_stack",
+    "tests.support.megatron_mlp",
+    "tests.support.megatron_ranks",
+    "tests.support.mlp_stack",
+    "tests.support.refusing_calls",
+    "tests.support.reshard_plans",
+)
+
 DEVICES = [
     "cpu",
     pytest.param(

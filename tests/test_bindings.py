@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from buffers import FlatGradBuffers, GradientOutsideBufferError
+from tests.support.refusing_calls import assert_every_call_raises, every_call
 
 BF16 = torch.bfloat16
 TOL = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-6, torch.float64: 1e-12}
@@ -60,25 +61,6 @@ def assert_a_new_one_works(net, seed):
     rebuilt.zero_()
     backward(net, seed)
     assert_like_torch(rebuilt, net)
-
-
-def every_call(fgb):
-    """Each call that must refuse, as a zero-argument function."""
-    return {
-        "grad_norm": fgb.grad_norm,
-        "clip_grad_norm_": lambda: fgb.clip_grad_norm_(1.0),
-        "count_zeros": fgb.count_zeros,
-        "zero_": fgb.zero_,
-        "per_param": lambda: fgb.grad_norm(per_param=True),
-        "check_bindings": fgb.check_bindings,
-    }
-
-
-def assert_every_call_raises(fgb, match):
-    for name, call in every_call(fgb).items():
-        with pytest.raises(GradientOutsideBufferError, match=match):
-            call()
-            pytest.fail(f"{name} did not raise")
 
 
 # --- a parameter frozen at build, unfrozen later -------------------------------------------

@@ -31,8 +31,7 @@ from megatron_ext.offload import offload_sources, source_mirror
 from megatron_ext.offload.host_mirror import chunk_copies
 from megatron_ext.offload.step import ChunkedAdamW, HostParam, chunk_spans
 from megatron_ext.opt_state import _build_state
-from tests.test_megatron_distopt_ranks import BF16, FP32, child_for_rank
-from tests.test_megatron_param_norms import reduce_ranks
+from tests.support.distopt_ranks import BF16, FP32, child_for_rank, reduce_ranks
 
 pytestmark = pytest.mark.mcore
 

@@ -18,112 +18,35 @@ DP=2, resumed at DP=2 bit for bit and loaded at DP=1 with every state tensor in 
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import math
 import os
-import uuid
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.spawn import spawn
+from tests.support.megatron_mlp import (
+    BF16,
+    CLIP,
+    LR,
+    MLP,
+    H,
+    batch,
+    clipped_steps,
+    initial_params,
+    joined,
+    loss_of,
+    owned_pieces,
+    owned_state,
+    params_of,
+)
+from tests.support.megatron_ranks import _no_psutil, run_ranks
 
 pytestmark = pytest.mark.mcore
 
 pytest.importorskip("megatron.core")
 
-H, F, BATCH, STEPS, CLIP, LR = 32, 48, 8, 2, 1.0, 0.05
-BF16 = torch.bfloat16
-# Where the spawned ranks run megatron-core: "cpu" (the default, and CI's) through the shim
-# of tests/support/cpu_megatron.py; "cuda" (MEGATRON_TEST_DEVICE=cuda) on GPU 0, every rank
-# on the one GPU over gloo, megatron-core's own CUDA code, with tests/support/multirank
-# first on PYTHONPATH (collectives one by one). Jobs that take their device from the model
-# (rank_device, to_model) run unchanged on either: test_megatron_cpu_reshard.py's.
-DEVICE = os.environ.get("MEGATRON_TEST_DEVICE", "cpu")
-if DEVICE not in ("cpu", "cuda"):
-    raise ValueError(f"MEGATRON_TEST_DEVICE={DEVICE!r}: use cpu (the default) or cuda")
-
-
-def rank_device() -> torch.device:
-    """The device a spawned rank builds its model on (:data:`DEVICE`; GPU 0 for cuda)."""
-    return torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
-
-
-def skip_unless_the_device_serves() -> None:
-    """At a module's top, with MEGATRON_TEST_DEVICE=cuda: skip the module where there is no
-    GPU, or where transformer-engine or Apex is installed (the files that call this expect
-    megatron-core's torch-Adam fallback where they ask for the "torch" path)."""
-    if DEVICE != "cuda":
-        return
-    if not torch.cuda.is_available():
-        pytest.skip("MEGATRON_TEST_DEVICE=cuda: no CUDA device here", allow_module_level=True)
-    import importlib.util
-
-    taken = [m for m in ("transformer_engine", "apex") if importlib.util.find_spec(m)]
-    if taken:
-        pytest.skip(f"MEGATRON_TEST_DEVICE=cuda: run before {taken} is installed "
-                    "(megatron-core would not take its torch-Adam path)",
-                    allow_module_level=True)  # fmt: skip
-
-
-def to_model(model, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``tensors`` on the device of ``model``'s parameters (megatron-core's buffers)."""
-    device = next(model.parameters()).device
-    return tuple(t.to(device) for t in tensors)
-
-
-def initial_params(keep_alpha_bf16: bool, seed: int = 11) -> dict[str, torch.Tensor]:
-    """bf16 MLP weights, a natively fp32 sink, and alpha: fp32 from bf16 values (exact)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {
-        "w1": torch.randn(F, H, generator=g) * 0.3,
-        "b1": torch.randn(F, generator=g) * 0.3,
-        "w2": torch.randn(H, F, generator=g) * 0.3,
-        "alpha": torch.randn(H, generator=g),
-    }
-    out = {n: t.to(BF16) for n, t in out.items()}
-    out["sink"] = torch.randn(H, generator=g)
-    if not keep_alpha_bf16:
-        out["alpha"] = out["alpha"].float()
-    return out
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh per rank and step; not exact in bf16 before the cast."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(BATCH, H, generator=g).to(BF16), torch.randn(BATCH, H, generator=g)
-
-
-def loss_of(p: dict[str, torch.Tensor], x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    h = torch.relu(x @ p["w1"].t() + p["b1"]) @ p["w2"].t()
-    y = h.float() * p["alpha"].float() + p["sink"]
-    return ((y - t) ** 2).sum() / BATCH
-
-
-class MLP(torch.nn.Module):
-    """The model; alpha stays fp32 by the option (a marked bf16 parameter) or, for stock,
-    by being created fp32: the same values and the same math either way."""
-
-    def __init__(self, option: bool, seed: int = 11):
-        super().__init__()
-        import megatron_ext
-
-        for name, value in initial_params(keep_alpha_bf16=option, seed=seed).items():
-            self.register_parameter(name, torch.nn.Parameter(value.clone()))
-        if option:
-            megatron_ext.mark_keep_in_fp32(self.alpha)
-
-    def forward(self, x, t):
-        return loss_of(dict(self.named_parameters()), x, t)
-
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-        state = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(state, prefix, {}, sharded_offsets)
+STEPS = 2
 
 
 def expected_grads(params: dict[str, torch.Tensor], world: int, step: int) -> dict:
@@ -141,23 +64,6 @@ def expected_grads(params: dict[str, torch.Tensor], world: int, step: int) -> di
             part = v.grad * (1.0 / world)
             total[n] = part if n not in total else total[n] + part
     return total
-
-
-def owned_pieces(model) -> list[tuple[str, int, int, torch.Tensor]]:
-    """(name, start, end, reduced gradient) of every element this rank's optimizer owns."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    names = {p: n for n, p in model.module.named_parameters()}
-    out = []
-    for buf in model.all_grad_buffers():
-        (per_bucket,) = DistributedOptimizer._build_gbuf_range_map(buf).values()
-        for bucket in per_bucket:
-            for p, r in bucket["param_map"].items():
-                start = buf.param_index_map[p][0]
-                lo, hi = r["param"].start, r["param"].end
-                piece = buf.grad_data[start + lo : start + hi].clone()
-                out.append((names[p], lo, hi, piece))
-    return out
 
 
 def build(option: bool, overlap: bool, seed: int = 11):
@@ -206,81 +112,6 @@ def train(option: bool, overlap: bool, rank: int, world: int, log) -> dict:
     return dict(steps=steps, params=final)
 
 
-def _rank_main(rank: int, world: int, init_file: str, out_dir: str, job: str, args) -> None:
-    """One spawned rank: gloo (a 60 s timeout, so a hang fails), the shim, megatron-core's
-    parallel state, then the job (a name in ``JOBS``, or a module-level function of another
-    test module); its result or its traceback goes to a file."""
-    import traceback
-
-    warnings.simplefilter("ignore")  # megatron-core's import-time notes about TE and Apex
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    from megatron.core import parallel_state as ps
-
-    try:
-        with _rank_context() as log:
-            ps.initialize_model_parallel()
-            run = JOBS[job] if isinstance(job, str) else job
-            out = run(rank, world, log, out_dir, *args)
-    except Exception:  # noqa: BLE001 - reported by the test, with the rank
-        out = {"error": traceback.format_exc()[-3000:]}
-    torch.save(out, os.path.join(out_dir, f"{_name(job)}-{world}-rank{rank}.pt"))
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
-class _NoLog:
-    """The log the jobs get on CUDA, where nothing records megatron-core's calls."""
-
-    def clear(self) -> None:
-        pass
-
-    def of(self, kind: str) -> list:
-        raise RuntimeError(f"no {kind} log on CUDA: this job runs on the CPU shim only")
-
-
-@contextlib.contextmanager
-def _rank_context():
-    """The shim on the CPU; on CUDA, GPU 0 and a check that megatron-core's collectives run
-    one by one (tests/support/multirank's sitecustomize, which gloo needs on CUDA tensors)."""
-    if DEVICE == "cpu":
-        from tests.support.cpu_megatron import cpu_megatron
-
-        with cpu_megatron() as log:
-            yield log
-        return
-    if getattr(dist._coalescing_manager, "__name__", "") != "_one_by_one":
-        raise RuntimeError(
-            "MEGATRON_TEST_DEVICE=cuda needs tests/support/multirank first on PYTHONPATH "
-            "(several ranks share the GPU over gloo, which cannot coalesce CUDA collectives)"
-        )
-    torch.cuda.set_device(0)
-    yield _NoLog()
-
-
-def _name(job) -> str:
-    return job if isinstance(job, str) else job.__name__
-
-
-def run_ranks(tmp_path, world: int, job, *args) -> list:
-    """``job`` (a name in ``JOBS`` or a module-level function) on ``world`` spawned gloo
-    ranks; each rank's result, in rank order."""
-    name = _name(job)
-    # A fresh rendezvous file per call: a second spawn at the same size over a used one
-    # meets the last spawn's addresses and never connects.
-    init = str(tmp_path / f"init-{name}-{world}-{uuid.uuid4().hex}")
-    spawn(_rank_main, args=(world, init, str(tmp_path), job, args), nprocs=world)
-    outs = [
-        torch.load(tmp_path / f"{name}-{world}-rank{r}.pt", weights_only=False, map_location="cpu")
-        for r in range(world)
-    ]
-    for r, out in enumerate(outs):
-        assert not (isinstance(out, dict) and "error" in out), f"rank {r}:\n{out['error']}"
-    return outs
-
-
 def training_job(rank, world, log, out_dir, overlap):
     return {str(option): train(option, overlap, rank, world, log) for option in (1, 0)}
 
@@ -290,70 +121,12 @@ def training_job(rank, world, log, out_dir, overlap):
 CKPT_FORMAT = "fully_reshardable"  # the distributed optimizer's DP-reshardable layout
 
 
-def owned_state(model, opt) -> dict:
-    """(name, start, end) -> this rank's main parameter shard and every tensor of its
-    inner optimizer state, from megatron-core's own range map."""
-    names = {p: n for n, p in model.module.named_parameters()}
-    out = {}
-    for child in opt.chained_optimizers:
-        pairs = [
-            (m, s if s is not None else s16)  # precision-aware: the bf16 shard is the key
-            for ms, ss, s16s in zip(
-                child.model_float16_groups,
-                child.shard_fp32_from_float16_groups,
-                child.shard_float16_groups,
-                strict=True,
-            )
-            for m, s, s16 in zip(ms, ss, s16s, strict=True)
-        ]
-        pairs += [
-            (m, s)
-            for ms, ss in zip(child.model_fp32_groups, child.shard_fp32_groups, strict=True)
-            for m, s in zip(ms, ss, strict=True)
-        ]
-        for model_param, main in pairs:
-            r = child._get_model_param_range_map(model_param)["param"]
-            state = child.optimizer.state[main]
-            entry = {k: v.detach().clone() for k, v in state.items() if torch.is_tensor(v)}
-            # the fp32 main value: the main parameter, or the precision-aware optimizer's
-            # master copy in its state
-            entry["param"] = state.get("master_param", main).detach().clone()
-            out[names[model_param], r.start, r.end] = entry
-    return out
-
-
-def params_of(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
-
-
-def clipped_steps(model, opt, rank, steps) -> list[float]:
-    norms = []
-    for step in steps:
-        model.zero_grad_buffer()
-        opt.zero_grad()
-        model(*batch(rank, step)).backward()
-        model.finish_grad_sync()
-        ok, norm, _ = opt.step()
-        assert ok
-        norms.append(float(norm))
-    return norms
-
-
 def _sharded(model, opt, loading: bool) -> dict:
     state = {"model": model.module.sharded_state_dict()}
     state["optimizer"] = opt.sharded_state_dict(
         state["model"], is_loading=loading, metadata={"distrib_optim_sharding_type": CKPT_FORMAT}
     )
     return state
-
-
-def _no_psutil():
-    """megatron-core's torch_dist writer logs its process's memory through psutil, which
-    the CPU test environment does not install; the number is only logged."""
-    import megatron.core.dist_checkpointing.strategies.filesystem_async as fs
-
-    if not fs.HAVE_PSUTIL:
-        fs._process_memory = lambda: 0
 
 
 def save_job(rank, world, log, out_dir):
@@ -391,9 +164,6 @@ def save_and_resume_job(rank, world, log, out_dir):
     return save_job(rank, world, log, out_dir), resume_job(rank, world, log, out_dir)
 
 
-JOBS = {"training": training_job, "save_and_resume": save_and_resume_job, "resume": resume_job}
-
-
 def assert_same_state(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for key, entry in want.items():
@@ -402,31 +172,12 @@ def assert_same_state(got: dict, want: dict) -> None:
             assert torch.equal(got[key][k], v), (key, k)
 
 
-def joined(pieces: list[dict]) -> dict:
-    """Each parameter's full state from the ranks' (name, start, end) pieces, each element
-    exactly once."""
-    by_name: dict[str, list] = {}
-    for piece in pieces:
-        for (name, lo, hi), entry in piece.items():
-            by_name.setdefault(name, []).append((lo, hi, entry))
-    out = {}
-    for name, parts in by_name.items():
-        parts.sort(key=lambda x: x[0])
-        assert [lo for lo, _, _ in parts[1:]] == [hi for _, hi, _ in parts[:-1]], name
-        full = {k: torch.cat([e[k].reshape(-1) for *_, e in parts]) for k in parts[0][2]}
-        if "step" in full:  # a scalar per parameter: every piece holds the same one
-            assert len(set(full["step"].tolist())) == 1, name
-            full["step"] = parts[0][2]["step"]
-        out[name, 0, parts[-1][1]] = full
-    return out
-
-
 @pytest.fixture(scope="module")
 def dp2_checkpoint(tmp_path_factory):
     """A checkpoint saved at DP=2, and each rank's save-and-resume results (one spawn)."""
     tmp_path = tmp_path_factory.mktemp("dp2_checkpoint")
     (tmp_path / "ckpt").mkdir()
-    return tmp_path, run_ranks(tmp_path, 2, "save_and_resume")
+    return tmp_path, run_ranks(tmp_path, 2, save_and_resume_job)
 
 
 def test_checkpoint_round_trip_at_two_ranks_continues_bit_for_bit(dp2_checkpoint):
@@ -451,7 +202,7 @@ def test_checkpoint_saved_at_two_ranks_loads_at_one(dp2_checkpoint):
     DP=2 ranks' saved pieces joined (the continuation at DP=1 sums the ranks' gradients
     in another order: not compared here)."""
     tmp_path, ranks = dp2_checkpoint
-    (one,) = run_ranks(tmp_path, 1, "resume")
+    (one,) = run_ranks(tmp_path, 1, resume_job)
     saved = [s["saved"] for s, _ in ranks]
     for n, v in saved[0]["params"].items():
         assert torch.equal(one["params"][n], v), n
@@ -464,7 +215,7 @@ def test_checkpoint_saved_at_two_ranks_loads_at_one(dp2_checkpoint):
 @pytest.mark.parametrize("world,overlap", [(1, False), (2, True)])
 def test_ddp_and_distributed_optimizer_on_cpu(tmp_path, world, overlap):
     init = initial_params(keep_alpha_bf16=False)
-    for got in run_ranks(tmp_path, world, "training", overlap):
+    for got in run_ranks(tmp_path, world, training_job, overlap):
         ours, stock = got["1"], got["0"]
         for run in (ours, stock):
             for step in run["steps"]:

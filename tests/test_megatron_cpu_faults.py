@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tests.support.megatron_mlp import BF16, batch, joined, owned_pieces, owned_state, params_of
+from tests.support.mlp_stack import _error, build, group_steps, load, save
 from tests.support.spawn import process
-from tests.test_megatron_cpu import BF16, batch, joined, owned_pieces, owned_state, params_of
-from tests.test_megatron_cpu_reshard import _error, build, group_steps, load, save
 
 pytestmark = pytest.mark.mcore
 
@@ -250,7 +250,7 @@ def load_job(rank, world, log, out_dir, out, cases):
     built from other values loads the checkpoint; its state after loading, or the error."""
     from megatron.core import dist_checkpointing
 
-    from tests.test_megatron_cpu_reshard import _sharded
+    from tests.support.mlp_stack import _sharded
 
     for name, directory, kwargs, strict in cases:
         model, opt = build(True, seed=12, **kwargs)

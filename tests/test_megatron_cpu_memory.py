@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from benchmarks.memory_ddp import live_storage_bytes
-from tests.test_megatron_cpu import run_ranks
+from tests.support.megatron_ranks import run_ranks
 
 pytestmark = pytest.mark.mcore
 

@@ -33,29 +33,18 @@ import math
 import pytest
 import torch
 
-from tests import test_megatron_cpu_reshard as reshard
-from tests import test_megatron_cpu_tp
-from tests.test_megatron_cpu import (
-    BF16,
-    CLIP,
-    LR,
-    F,
-    H,
-    batch,
-    owned_pieces,
-    rank_device,
-    skip_unless_the_device_serves,
-    to_model,
-)
+from tests.support import mlp_stack, reshard_plans
+from tests.support.megatron_mlp import BF16, CLIP, LR, F, H, batch, owned_pieces
+from tests.support.megatron_ranks import rank_device, skip_unless_the_device_serves, to_model
 
 pytestmark = pytest.mark.mcore
 
 pytest.importorskip("megatron.core")
 skip_unless_the_device_serves()
 
-SAVED_AT = test_megatron_cpu_tp.SAVED_AT  # run_plan saves after 2 steps, continues to 4
+SAVED_AT = reshard_plans.SAVED_AT  # run_plan saves after 2 steps, continues to 4
 FULL, DP = "fully_reshardable", "dp_reshardable"
-TOLERANCE = reshard.TOLERANCE  # the norm's two-stage sum vs one sum: its rounding only
+TOLERANCE = mlp_stack.TOLERANCE  # the norm's two-stage sum vs one sum: its rounding only
 STAGES = {0: ("w1", "alpha"), 1: ("w2", "sink")}
 
 
@@ -187,14 +176,14 @@ def train(model, opt, stage, steps) -> tuple[list[float], list[float]]:
 
 def pp_job(rank, world, log, out_dir, plan):
     """At PP=``plan["pp"]`` (data-parallel size ``world`` / PP): the TP tests' plan
-    (:func:`tests.test_megatron_cpu_tp.run_plan`)."""
+    (:func:`tests.support.reshard_plans.run_plan`)."""
     pp = plan["pp"]
 
     def make(option, seed):
         model, opt, stage = build(option, pp, seed)
         return model, opt, lambda steps: train(model, opt, stage, steps)
 
-    return test_megatron_cpu_tp.run_plan(plan, (pp, world // pp), out_dir, make)
+    return reshard_plans.run_plan(plan, (pp, world // pp), out_dir, make)
 
 
 # (world, plan); shapes are (PP, DP). PP=2 saves in both formats (and with the option off);
@@ -222,7 +211,7 @@ PLANS = [
 @pytest.fixture(scope="module")
 def pp_runs(tmp_path_factory):
     """Every rank's results, keyed by (what, ..., (PP, DP)), in rank order."""
-    return test_megatron_cpu_tp.runs_by_shape(tmp_path_factory.mktemp("pp"), pp_job, PLANS, "pp")
+    return reshard_plans.runs_by_shape(tmp_path_factory.mktemp("pp"), pp_job, PLANS, "pp")
 
 
 def merged(per_rank: list[dict], key: str) -> dict:
@@ -232,7 +221,7 @@ def merged(per_rank: list[dict], key: str) -> dict:
     for r in per_rank:
         for name, entry in r[key].items():
             if name in out:
-                reshard.assert_same({name: entry}, {name: out[name]}, "data-parallel copies")
+                mlp_stack.assert_same({name: entry}, {name: out[name]}, "data-parallel copies")
             out[name] = entry
     return out
 
@@ -252,7 +241,7 @@ def test_two_stages_train_as_one(pp_runs, option):
     assert two[0]["refs"][0] == pytest.approx(one["refs"][0], rel=1e-12)
     assert two[0]["norms"] == pytest.approx(one["norms"], rel=TOLERANCE)
     assert set(merged(two, "end")) == set(one["end"]) == {"w1", "alpha", "w2", "sink"}
-    reshard.assert_close_normwise(merged(two, "end"), one["end"], "PP=2 vs PP=1")
+    mlp_stack.assert_close_normwise(merged(two, "end"), one["end"], "PP=2 vs PP=1")
 
 
 def test_each_stage_holds_only_its_parameters_and_its_islands(pp_runs):
@@ -281,8 +270,8 @@ def test_pp_resharded_load_continues_like_the_uninterrupted_run(pp_runs, saved, 
     assert len(runs) == len(reference) == loaded[0] * loaded[1]
     for r in runs:
         assert "error" not in r, r
-    reshard.assert_same(merged(runs, "loaded"), saver, "loaded")
-    reshard.assert_close_normwise(merged(runs, "end"), merged(reference, "end"), "continued")
+    mlp_stack.assert_same(merged(runs, "loaded"), saver, "loaded")
+    mlp_stack.assert_close_normwise(merged(runs, "end"), merged(reference, "end"), "continued")
     for r, u in zip(runs, reference, strict=True):
         assert r["norms"] == pytest.approx(u["norms"][SAVED_AT:], rel=TOLERANCE)
         assert r["norms"] == pytest.approx(r["refs"], rel=1e-6)
@@ -298,7 +287,7 @@ def test_pp_and_dp_together_train_as_pp_alone(pp_runs):
         for r in runs:
             assert r["norms"] == pytest.approx(r["refs"], rel=1e-6), r
             assert r["norms"] == pytest.approx(one[0]["norms"], rel=TOLERANCE)
-        reshard.assert_close_normwise(merged(runs, "end"), merged(one, "end"), f"{shape}")
+        mlp_stack.assert_close_normwise(merged(runs, "end"), merged(one, "end"), f"{shape}")
 
 
 def test_dp_reshardable_does_not_reshard_pp(pp_runs):
@@ -319,7 +308,7 @@ def test_a_pp2_checkpoint_saved_without_the_option_loads_at_pp1_with_it(pp_runs)
     saver = merged(pp_runs["run", False, (2, 1)], "at_save")
     (r,) = pp_runs["load", (2, 1), FULL, "off", (1, 1)]
     assert "error" not in r, r
-    reshard.assert_same(r["loaded"], saver, "loaded")
+    mlp_stack.assert_same(r["loaded"], saver, "loaded")
     reference = pp_runs["run", True, (1, 1)][0]
-    reshard.assert_close_normwise(r["end"], reference["end"], "continued")
+    mlp_stack.assert_close_normwise(r["end"], reference["end"], "continued")
     assert r["norms"] == pytest.approx(reference["norms"][SAVED_AT:], rel=TOLERANCE)

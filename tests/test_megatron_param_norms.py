@@ -1,10 +1,10 @@
 """Per-parameter norms of megatron-core optimizers (megatron_ext.global_param_norms), on the CPU.
 
-Ranks are simulated as in tests/test_megatron_distopt_ranks.py: megatron-core's own range
-functions decide what each data-parallel rank owns; each rank's stats are computed in
-turn, the names are matched across ranks as the all-gather would, and the per-rank wire
-vectors are summed as the all-reduce would. Oracle: fp64 norms of each parameter's whole,
-unsharded gradient.
+Ranks are simulated as in tests/test_megatron_distopt_ranks.py (tests/support/distopt_ranks.py):
+megatron-core's own range functions decide what each data-parallel rank owns; each rank's
+stats are computed in turn, the names are matched across ranks as the all-gather would, and
+the per-rank wire vectors are summed as the all-reduce would. Oracle: fp64 norms of each
+parameter's whole, unsharded gradient.
 """
 
 import math
@@ -16,11 +16,10 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from buffers.param_norms import gather_union, to_wire
 from megatron_ext.global_param_norms import MegatronParamNorms, global_param_names
 from megatron_ext.opt_state import _build_state
+from tests.support.distopt_ranks import child_for_rank, reduce_ranks
 from tests.support.fakes import FakeGroup
-from tests.test_megatron_distopt_ranks import child_for_rank
 
 pytestmark = pytest.mark.mcore
 
@@ -47,23 +46,6 @@ def reference(dp):
     """fp64 norm of each parameter's whole gradient, from a fresh (never unscaled) build."""
     _, bufs, placed, _ = child_for_rank(dp, 0)
     return fp64_norms(bufs, names_of(bufs, placed))
-
-
-def reduce_ranks(monkeypatch, per_rank):
-    """Sum every rank's wire vector as one all-reduce would; names gathered as
-    all_gather_object would. ``per_rank``: MegatronParamNorms, one per rank."""
-    everyone = [(pn.names, pn.counted) for pn in per_rank]
-
-    def all_gather_object(gathered, obj, group=None):
-        assert obj in everyone
-        gathered[:] = everyone
-
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: len(everyone))
-    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
-    unions = [gather_union(pn.names, pn.counted, None, torch.device("cpu")) for pn in per_rank]
-    assert all(u.names == unions[0].names for u in unions)
-    summed = sum(to_wire(pn.local(2.0), u) for pn, u in zip(per_rank, unions, strict=True))
-    return unions[0], summed.sqrt()
 
 
 def split_over_tp(bufs, placed, split):

@@ -22,9 +22,9 @@ from megatron_ext.ddp import counted_records
 from megatron_ext.global_param_norms import MegatronParamNorms
 from megatron_ext.layout import buffer_layout
 from megatron_ext.opt_state import _build_state
+from tests.support.distopt_ranks import layout as mirrored_layout
+from tests.support.distopt_ranks import reduce_ranks
 from tests.support.fakes import FakeGroup, megatron_buffer
-from tests.test_megatron_distopt_ranks import layout as mirrored_layout
-from tests.test_megatron_param_norms import reduce_ranks
 
 pytestmark = pytest.mark.mcore
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_megatron_cpu import batch, run_ranks, to_model
-from tests.test_megatron_cpu_reshard import adam_path, build
+from tests.support.megatron_mlp import batch
+from tests.support.megatron_ranks import run_ranks, to_model
+from tests.support.mlp_stack import adam_path, build
 
 pytestmark = pytest.mark.mcore
 

@@ -621,8 +621,8 @@ def test_the_gpu_check_passes_at_the_free_memory(stock_builder, monkeypatch):
 def built_offload_job(rank, world, log, out_dir):
     """Per offload path: the estimate from the model's layouts, before the optimizer is
     built, and the bytes its host mirrors, moments and scratch hold after one step."""
-    from tests.test_megatron_cpu import clipped_steps
-    from tests.test_megatron_cpu_reshard import adam_path, build, path_options
+    from tests.support.megatron_mlp import clipped_steps
+    from tests.support.mlp_stack import adam_path, build, path_options
 
     out = {}
     for path in ("torch+offload1.0+chunked", "torch+offload1.0", "torch+offload0.5+chunked"):
@@ -647,7 +647,7 @@ def test_the_estimate_from_megatron_layouts_is_what_the_built_mirrors_hold(tmp_p
     host mirrors: at fraction 1 every part of the estimate made from the layouts before the
     build equals what the mirrors hold after a step (the chunked and the per-parameter
     step); at 0.5 it bounds it."""
-    from tests.test_megatron_cpu import run_ranks
+    from tests.support.megatron_ranks import run_ranks
 
     (result,) = run_ranks(tmp_path, 1, built_offload_job)
     assert len(result) == 3

@@ -21,8 +21,9 @@ import torch
 
 from megatron_ext.offload.chunked import OverlappedUpdate
 from tests.support import offload_internals
-from tests.test_megatron_cpu import BF16, CLIP, LR, rank_device, run_ranks, to_model
-from tests.test_megatron_cpu_reshard import adam_path
+from tests.support.megatron_mlp import BF16, CLIP, LR
+from tests.support.megatron_ranks import rank_device, run_ranks, to_model
+from tests.support.mlp_stack import adam_path
 
 pytestmark = pytest.mark.mcore
 
@@ -257,13 +258,13 @@ def test_two_ranks_gather_each_bucket_after_its_chunks(tmp_path, gather):
 # The same step in the simulation of ``tests/support/offload_sim.py`` (two buffers, islands,
 # megatron-core's placement), with the recording streams checking every copy's order: the
 # device holds what AdamW applied at once gives (the reference of
-# ``tests/test_offload_delayed.py``, exact), once a forward pass has waited for every chunk.
+# ``tests/support/delayed_model.py``, exact), once a forward pass has waited for every chunk.
 
 
 def _sim(fraction: float):
     from megatron_ext.offload.forward_waits import ForwardWaits
+    from tests.support.delayed_model import Model
     from tests.support.offload_sim import MirrorChunked
-    from tests.test_offload_delayed import Model
 
     class MirrorOverlap(MirrorChunked):
         overlap_forward = True
@@ -284,7 +285,7 @@ def _forward(model, log) -> None:
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_the_simulated_overlapped_step_orders_its_copies_and_equals_adamw(cpu_streams, fraction):
-    from tests.test_offload_delayed import Reference, assert_device, assert_state, grad_dtypes
+    from tests.support.delayed_model import Reference, assert_device, assert_state, grad_dtypes
 
     model = _sim(fraction)
     ref = Reference(model, delayed=False, warmup=0)
@@ -303,8 +304,8 @@ def test_the_simulated_overlapped_step_orders_its_copies_and_equals_adamw(cpu_st
 
 def test_the_forward_pass_may_not_read_before_its_chunks_came_back(cpu_streams):
     """Without the waits the recording streams see the read before the copies."""
+    from tests.support.delayed_model import _grads_of
     from tests.support.streams import OrderError
-    from tests.test_offload_delayed import _grads_of
 
     model = _sim(1.0)
     model.set_grads(_grads_of(model, torch.Generator().manual_seed(1)), 0)
@@ -317,7 +318,7 @@ def test_the_forward_pass_may_not_read_before_its_chunks_came_back(cpu_streams):
 
 
 def test_state_dict_and_load_state_dict_land_or_drop_the_overlapped_update(cpu_streams):
-    from tests.test_offload_delayed import _grads_of
+    from tests.support.delayed_model import _grads_of
 
     model = _sim(1.0)
     gen = torch.Generator().manual_seed(2)
@@ -338,7 +339,7 @@ def test_state_dict_and_load_state_dict_land_or_drop_the_overlapped_update(cpu_s
 def test_a_failing_overlapped_update_is_raised_where_the_forward_waits(cpu_streams, monkeypatch):
     """The forward pass's wait for a chunk the worker did not reach raises; the landing
     raises the worker's error; the optimizer then refuses to step until a load."""
-    from tests.test_offload_delayed import (
+    from tests.support.delayed_model import (
         _grads_of,
         fail_at_the_second_update,
         refuses_until_loaded,

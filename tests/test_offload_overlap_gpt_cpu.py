@@ -20,14 +20,13 @@ delay, the benchmark's ``Lagged``, which shares no code with the delayed offload
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
 
-from tests.test_megatron_cpu import run_ranks
-from tests.test_megatron_cpu_reshard import adam_path
+from tests.support.gpt_on_the_cpu import _gpt_on_the_cpu
+from tests.support.megatron_ranks import run_ranks
 
 pytestmark = pytest.mark.mcore
 
@@ -39,33 +38,6 @@ ARGV = [
     "--batch", "2", "--loss-steps", "8", "--delay-warmup", str(WARMUP),
     "--markov-states", "32", "--loss-batches", "4",
 ]  # fmt: skip
-
-
-def _host_generator(device=None) -> torch.Generator:
-    """``torch.Generator(device="cuda")`` as the benchmark asks for it, on the CPU."""
-    return torch._C.Generator()
-
-
-@contextlib.contextmanager
-def _gpt_on_the_cpu():
-    """The benchmark's GPT and stacks on the CPU shim, inside a spawned rank: megatron-core's
-    offload placement replayed, no CUDA RNG, host generators, no precision-aware optimizer
-    (it needs transformer-engine). Yields the MonkeyPatch for more."""
-    from megatron.core.tensor_parallel import random as mp_random
-
-    from benchmarks import offload_overlap
-
-    with pytest.MonkeyPatch.context() as patch, adam_path("torch+offload"):
-        # megatron-core's CUDA RNG: no device generator here, and nothing reads it
-        patch.setattr(mp_random, "model_parallel_cuda_manual_seed", lambda *a, **k: None)
-        patch.setattr(
-            type(mp_random.get_cuda_rng_tracker()),
-            "fork",
-            lambda self, *a, **k: contextlib.nullcontext(),
-        )
-        patch.setattr(torch, "Generator", _host_generator)
-        patch.setattr(offload_overlap, "PA", dict(use_precision_aware_optimizer=False))
-        yield patch
 
 
 def loss_curves_job(rank, world, log, out_dir, task, extra=()):

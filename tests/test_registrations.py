@@ -13,7 +13,7 @@ import torch
 
 from buffers import FlatGradBuffers, GradientOutsideBufferError
 from buffers.registrations import ModelRoot, model_root
-from tests.test_bindings import assert_every_call_raises
+from tests.support.refusing_calls import assert_every_call_raises
 
 LATE = r"parameter '{}' was registered on the model after .*build a new FlatGradBuffers"
 

@@ -17,7 +17,7 @@ of the same bf16 input and fp32 weight.
 import pytest
 import torch
 
-from tests.test_megatron_cpu import run_ranks
+from tests.support.megatron_ranks import run_ranks
 
 pytestmark = pytest.mark.mcore
 

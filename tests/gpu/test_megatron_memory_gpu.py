@@ -12,7 +12,7 @@ import gc
 import pytest
 import torch
 
-from tests.gpu.test_megatron_gpu import backward, build, data, reference_norm
+from tests.support.gpu_mixed_stack import backward, build, data, reference_norm
 
 pytestmark = [
     pytest.mark.cuda,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.test_offload_gpu import assert_same, build, copy_grads, make_grads
+from tests.support.gpu_offload_stack import assert_same, build, copy_grads, make_grads
 
 pytestmark = pytest.mark.cuda
 

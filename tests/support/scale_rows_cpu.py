@@ -23,7 +23,7 @@ def main(argv: list[str]) -> None:
     warnings.simplefilter("ignore")  # megatron-core's import-time notes about TE and Apex
     from benchmarks import offload_overlap, offload_scale
     from tests.support.cpu_megatron import cpu_megatron
-    from tests.test_offload_overlap_gpt_cpu import _gpt_on_the_cpu
+    from tests.support.gpt_on_the_cpu import _gpt_on_the_cpu
 
     kind = argv[argv.index("--row") + 1]
     with tempfile.TemporaryDirectory() as tmp:
