@@ -135,12 +135,6 @@ class MegatronOptions(BufferOptions):
                 f"offload_fraction={self.offload_fraction!r}; expected 'auto' or None (a number "
                 "goes in OptimizerConfig.optimizer_offload_fraction)"
             )
-        headroom = self.offload_gpu_headroom
-        if (self.offload_fraction == "auto") != (headroom is not None):
-            raise ValueError(
-                "offload_fraction='auto' and offload_gpu_headroom (bytes of GPU memory kept "
-                "for activations) go together; pass both or neither"
-            )
         for name in ("offload_gpu_headroom", "offload_host_bytes"):
             value = getattr(self, name)
             if value is not None and (
@@ -227,6 +221,18 @@ def offload_conflict(values: Mapping[str, Any], spell: Callable[[str, Any], str]
             f"{say('offload_delay_warmup', warmup)} sets the delayed update's exact steps "
             f"first; add {say('offload_delayed_update')} or drop "
             f"{say('offload_delay_warmup', warmup)}"
+        )
+    headroom = values["offload_gpu_headroom"]
+    if (values["offload_fraction"] == "auto") != (headroom is not None):
+        given = (
+            say("offload_fraction", "auto")
+            if headroom is None
+            else say("offload_gpu_headroom", headroom)
+        )
+        headroom_name = say("offload_gpu_headroom").removesuffix("=True")
+        return (
+            f"{given}: {say('offload_fraction', 'auto')} and {headroom_name} (bytes of GPU "
+            "memory kept for activations) go together; give both or neither"
         )
     if overlap and delayed:
         return (

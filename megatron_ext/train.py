@@ -85,6 +85,9 @@ class TrainOptions:
     offload_delay_warmup: int | None = None
     offload_pin_threads: bool = False
     offload_overlap_forward: bool = False
+    offload_fraction: str | None = None
+    offload_gpu_headroom: int | None = None
+    offload_host_bytes: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainOptions:
@@ -99,6 +102,9 @@ class TrainOptions:
             offload_delay_warmup=getattr(args, "offload_delay_warmup", None),
             offload_pin_threads=bool(getattr(args, "offload_pin_threads", False)),
             offload_overlap_forward=bool(getattr(args, "offload_overlap_forward", False)),
+            offload_fraction=getattr(args, "offload_fraction", None),
+            offload_gpu_headroom=getattr(args, "offload_gpu_headroom", None),
+            offload_host_bytes=getattr(args, "offload_host_bytes", None),
         )
 
     def _offload_given(self) -> dict[str, Any]:
@@ -149,6 +155,9 @@ OFFLOAD_FIELDS = (
     "offload_delay_warmup",
     "offload_pin_threads",
     "offload_overlap_forward",
+    "offload_fraction",
+    "offload_gpu_headroom",
+    "offload_host_bytes",
 )
 
 
@@ -203,6 +212,20 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
     return value
+
+
+_BYTE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """argparse type: bytes, as a count or with a binary unit (``512MiB``, ``10G``, ``1.5GiB``)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (bytes, or a number with K, M, G or T, e.g. 10GiB)"
+        )
+    number, unit = match.groups()
+    return int(float(number) * _BYTE_UNITS[unit.lower()])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -322,6 +345,34 @@ FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
             default=None,
             help="with --optimizer-cpu-offload: convert bf16<->fp32 on the host, or on the "
             "GPU so fp32 crosses and the host only steps (opt-in)",
+        ),
+    ),
+    (
+        ("--offload-fraction",),
+        dict(
+            choices=("auto",),
+            default=None,
+            help="with --optimizer-cpu-offload: the smallest offload fraction whose GPU part "
+            "fits (in place of --optimizer-offload-fraction); needs --offload-gpu-headroom",
+        ),
+    ),
+    (
+        ("--offload-gpu-headroom",),
+        dict(
+            type=byte_size,
+            default=None,
+            metavar="SIZE",
+            help="with --offload-fraction auto: GPU memory kept for activations (e.g. 10GiB)",
+        ),
+    ),
+    (
+        ("--offload-host-bytes",),
+        dict(
+            type=byte_size,
+            default=None,
+            metavar="SIZE",
+            help="with --optimizer-cpu-offload: host memory the offloaded state may take per "
+            "rank (default: what the host has, shared by its ranks)",
         ),
     ),
 )
@@ -634,6 +685,7 @@ def refuse_unsupported(argv: list[str]) -> None:
     pre.add_argument("--optimizer", default="adam")
     pre.add_argument("--log-params-norm", action="store_true")
     pre.add_argument("--optimizer-cpu-offload", action="store_true")
+    pre.add_argument("--optimizer-offload-fraction", default=None)
     pre.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None)
     pre.add_argument(NO_FUSION, action="store_false", dest="gradient_accumulation_fusion")
     try:
@@ -680,6 +732,12 @@ def _check_offload_flags(options: TrainOptions, args: argparse.Namespace) -> Non
     conflict = options.offload_conflict()
     if conflict is not None:
         raise UnsupportedTrainingOptionError(conflict)
+    fraction = getattr(args, "optimizer_offload_fraction", None)
+    if options.offload_fraction == "auto" and fraction is not None:
+        raise UnsupportedTrainingOptionError(
+            f"--offload-fraction auto chooses the fraction that --optimizer-offload-fraction "
+            f"{fraction} sets; give one of them"
+        )
 
 
 def _check_overlap_forward(args: argparse.Namespace) -> None:

@@ -167,6 +167,7 @@ class _Ran(Exception):
                 ["--offload-convert", "device"],
                 ["--offload-pin-threads"],
                 ["--offload-delay-warmup", "3"],
+                ["--offload-host-bytes", "4096"],
             )
         ),
         # offload flags that cannot go together, refused before anything is built
@@ -194,6 +195,24 @@ class _Ran(Exception):
                 (
                     ["--offload-delay-warmup", "0"],
                     "--offload-delay-warmup 0 sets the delayed update's exact steps first",
+                ),
+                (
+                    ["--offload-fraction", "auto"],
+                    "--offload-fraction auto: --offload-fraction auto and "
+                    "--offload-gpu-headroom (bytes",
+                ),
+                (
+                    ["--offload-gpu-headroom", "1KiB"],
+                    "--offload-gpu-headroom 1024: --offload-fraction auto and",
+                ),
+                (
+                    [
+                        "--offload-fraction=auto",
+                        "--offload-gpu-headroom=8GiB",
+                        "--optimizer-offload-fraction=0.5",
+                    ],
+                    "--offload-fraction auto chooses the fraction that "
+                    "--optimizer-offload-fraction 0.5 sets",
                 ),
             )
         ),

@@ -316,3 +316,30 @@ def test_only_logged_iterations_request_per_parameter_norms(monkeypatch, capsys)
     out = capsys.readouterr().out
     assert out.count("per-layer grad norm |") == 2
     assert "iteration        5 |" in out and "iteration       15 |" in out
+
+
+def test_the_offload_memory_flags_reach_the_options():
+    """--offload-fraction auto with a headroom, and a host budget, given as sizes."""
+    args = parser().parse_args(
+        [
+            "--offload-fraction",
+            "auto",
+            "--offload-gpu-headroom",
+            "1.5GiB",
+            "--offload-host-bytes",
+            "100G",
+        ]
+    )
+    got = train.TrainOptions.from_args(args).megatron_options()
+    assert (got.offload_fraction, got.offload_gpu_headroom, got.offload_host_bytes) == (
+        "auto",
+        3 * 2**29,
+        100 * 2**30,
+    )
+    assert train.byte_size("4096") == 4096 and train.byte_size("512MiB") == 512 * 2**20
+    assert train.byte_size("2t") == 2 * 2**40 and train.byte_size("3 KB") == 3 * 1024
+    for bad in ("ten", "10 GB extra", "-1G", "1.5X"):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
+            train.byte_size(bad)
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--offload-fraction", "0.5"])  # a number: Megatron-LM's flag
