@@ -359,9 +359,11 @@ def device_memory() -> dict[str, int]:
         "gpu_peak_bytes": torch.cuda.max_memory_allocated(),
         "gpu_reserved_peak_bytes": torch.cuda.max_memory_reserved(),
     }
-    stats = getattr(torch.cuda, "host_memory_stats", None)
+    stats = getattr(torch.cuda, "host_memory_stats", None)  # not in every torch
+    held: dict = {}
     if stats is not None:
-        held = stats()
+        with contextlib.suppress(RuntimeError):  # a figure the benchmark can do without
+            held = stats()
         for key, name in (("allocated_bytes.current", "pinned_alloc_bytes"),
                           ("allocated_bytes.peak", "pinned_alloc_peak_bytes")):  # fmt: skip
             if key in held:

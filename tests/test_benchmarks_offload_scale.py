@@ -461,3 +461,45 @@ def test_every_kind_runs_in_a_process_of_its_own_on_the_cpu_shim(tmp_path, monke
     assert written == sorted(written) and len(set(written)) > len(offload_scale.KINDS)
     assert json.loads((tmp_path / "offload_scale.json").read_text()) == rows
     assert (tmp_path / "offload_scale.png").stat().st_size > 0
+
+
+def test_the_gpu_figures_are_torchs_peaks_and_its_pinned_allocators(monkeypatch):
+    """With CUDA (stood in for): the device's peaks and the pinned allocator's current and
+    peak bytes; without its statistics (an older torch, or an error), the peaks alone."""
+    assert offload_scale.device_memory() == {}  # no GPU here
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: 5)
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda *a: 7)
+    held = {"allocated_bytes.current": 11, "allocated_bytes.peak": 13, "active_bytes.peak": 1}
+    monkeypatch.setattr(cuda, "host_memory_stats", lambda: held, raising=False)
+    assert offload_scale.device_memory() == {
+        "gpu_peak_bytes": 5, "gpu_reserved_peak_bytes": 7,
+        "pinned_alloc_bytes": 11, "pinned_alloc_peak_bytes": 13,
+    }  # fmt: skip
+
+    def refuses():
+        raise RuntimeError("no pinned allocator")
+
+    monkeypatch.setattr(cuda, "host_memory_stats", refuses)
+    assert offload_scale.device_memory() == {"gpu_peak_bytes": 5, "gpu_reserved_peak_bytes": 7}
+    monkeypatch.delattr(cuda, "host_memory_stats")
+    assert offload_scale.device_memory() == {"gpu_peak_bytes": 5, "gpu_reserved_peak_bytes": 7}
+
+
+def test_auto_takes_te_on_a_gpu_where_it_imports(monkeypatch):
+    import builtins
+    import importlib
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    spec, why = offload_scale.choose_layer_spec("auto")  # no transformer-engine here
+    assert spec == "local" and why.startswith("transformer-engine does not import (")
+    real_import = builtins.__import__
+
+    def fake_te(name, *args, **kwargs):
+        if name == "transformer_engine.pytorch":
+            return importlib.import_module("json")  # any module: it imported
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_te)
+    assert offload_scale.choose_layer_spec("auto") == ("te", "transformer-engine imports")
