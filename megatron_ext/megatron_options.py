@@ -215,13 +215,6 @@ def offload_conflict(values: Mapping[str, Any], spell: Callable[[str, Any], str]
             f"{say('offload_pin_threads')} pins the delayed update's worker threads; add "
             f"{say('offload_delayed_update')} or drop {say('offload_pin_threads')}"
         )
-    warmup = values["offload_delay_warmup"]
-    if warmup != DEFAULT_DELAY_WARMUP and not delayed:
-        return (
-            f"{say('offload_delay_warmup', warmup)} sets the delayed update's exact steps "
-            f"first; add {say('offload_delayed_update')} or drop "
-            f"{say('offload_delay_warmup', warmup)}"
-        )
     headroom = values["offload_gpu_headroom"]
     if (values["offload_fraction"] == "auto") != (headroom is not None):
         given = (

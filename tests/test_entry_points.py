@@ -193,10 +193,6 @@ class _Ran(Exception):
                     "--offload-overlap-forward runs the chunked step",
                 ),
                 (
-                    ["--offload-delay-warmup", "0"],
-                    "--offload-delay-warmup 0 sets the delayed update's exact steps first",
-                ),
-                (
                     ["--offload-fraction", "auto"],
                     "--offload-fraction auto: --offload-fraction auto and "
                     "--offload-gpu-headroom (bytes",

@@ -177,12 +177,6 @@ def test_a_misspelt_environment_switch_is_refused_on_the_cpu_too(monkeypatch, va
             ops.backend_for(torch.device("cpu"))
 
 
-def test_a_delay_warmup_without_the_delayed_update_is_refused():
-    with pytest.raises(ValueError, match="offload_delay_warmup=3 sets the delayed update's"):
-        MegatronOptions(offload_delay_warmup=3)
-    assert MegatronOptions(offload_delay_warmup=3, offload_delayed_update=True)
-
-
 def test_offload_options_without_cpu_offload_are_refused_naming_them():
     """get_megatron_optimizer refuses options only CPU offload reads when the config does
     not offload, before megatron-core builds anything; the defaults pass."""
