@@ -13,9 +13,12 @@ measured), each the fastest of ``--rounds`` interleaved rounds' medians. ``first
 first ``grad_norm`` of a freshly built ``FlatGradBuffers`` (one call per round, each over
 new parameters holding the same gradients). Clips use ``max_norm=0``: the coefficient is
 0 at every call, so the scale always runs (a clip whose coefficient is 1 skips it).
-Accuracy: each side's norm of the random gradients against an fp64 norm of the same
-values. ``ours`` is the default CPU path (the compiled kernel, ``buffers.native``, where
-it is available; the header says which ran); ``ours_torch_ops`` the same buffers with
+``per_param``: every parameter's norm as one vector, ``grad_norm(per_param=True).norms`` (one
+segmented pass per buffer) against ``torch.stack(torch._foreach_norm(grads,
+dtype=float32))``. Accuracy: each side's norm of the random gradients against an fp64 norm
+of the same values (``per_param``: the largest relative error of one parameter's norm).
+``ours`` is the default CPU path (the compiled kernel, ``buffers.native``, where it is
+available; the header says which ran); ``ours_torch_ops`` the same buffers with
 ``BUFFERS_CPU_KERNEL=off`` (torch's ops in pieces: the path before the kernel, and the
 one without a compiler).
 
@@ -29,9 +32,10 @@ what the buffers expect, one C-level pass over the parameters): its ratio is to 
 steady norm, of which it is part.
 
 Record fields: inventory, dtype, num_params, numel, threads, busy, variant (ours,
-ours_torch_ops, torch), op (norm, clip, first, zero_backward, check), rounds, time_s,
-time_spread, time_rounds_s, ratio (ours / torch for norm, clip and zero_backward; over ours'
-steady norm for first and check), rel_err (norm only), error, error_at.
+ours_torch_ops, torch), op (norm, clip, per_param, first, zero_backward, check), rounds,
+time_s, time_spread, time_rounds_s, ratio (ours / torch for norm, clip, per_param and
+zero_backward; over ours' steady norm for first and check), rel_err (norm and per_param),
+error, error_at.
 """
 
 from __future__ import annotations
@@ -179,12 +183,19 @@ def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, ro
         p.grad.copy_(torch.randn(p.shape, generator=gen))
         q.grad = p.grad.clone()
     grads = [q.grad for q in theirs]
-    ref = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])).item()
+    per_ref = torch.stack([g.double().norm() for g in grads])
+    ref = torch.linalg.vector_norm(per_ref).item()
     rel_err = {
-        "ours": fgb.grad_norm().item() / ref - 1,
-        "ours_torch_ops": _torch_ops(fgb.grad_norm)().item() / ref - 1,
-        "torch": torch.nn.utils.get_total_norm(grads).float().item() / ref - 1,
+        ("ours", "norm"): fgb.grad_norm().item() / ref - 1,
+        ("ours_torch_ops", "norm"): _torch_ops(fgb.grad_norm)().item() / ref - 1,
+        ("torch", "norm"): torch.nn.utils.get_total_norm(grads).float().item() / ref - 1,
     }
+    per_param = {
+        "ours": lambda: fgb.grad_norm(per_param=True).norms,
+        "torch": lambda: torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)),
+    }
+    for variant, fn in per_param.items():
+        rel_err[variant, "per_param"] = ((fn().double() - per_ref).abs() / per_ref).max().item()
 
     def fresh_first(_round: int) -> float:
         params = _params(inventory, args, dtype)
@@ -202,6 +213,8 @@ def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, ro
         ("ours", "clip"): lambda: fgb.clip_grad_norm_(0.0),
         ("ours_torch_ops", "clip"): _torch_ops(lambda: fgb.clip_grad_norm_(0.0)),
         ("torch", "clip"): lambda: torch.nn.utils.clip_grad_norm_(theirs, 0.0, foreach=True),
+        ("ours", "per_param"): per_param["ours"],
+        ("torch", "per_param"): per_param["torch"],
     }
     if inventory == "many_small":
         calls |= _zero_backward_calls(inventory, args, dtype)
@@ -233,8 +246,8 @@ def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, ro
                         rec.update(common.round_fields("time", results[key]))
                     else:
                         rec.update(common.error_fields(errors[key]))
-                    if key[1] == "norm":
-                        rec["rel_err"] = rel_err[key[0]]
+                    if key in rel_err:
+                        rec["rel_err"] = rel_err[key]
                     rows[key] = rec
                 for (variant, op), rec in rows.items():
                     other = ("ours", "norm") if op in ("first", "check") else ("torch", op)
@@ -281,7 +294,9 @@ COLUMNS = [
     common.Column(
         "ratio", "ratio", lambda v: f"{v:.2f}", "ours/torch; first, check: over steady norm"
     ),
-    common.Column("rel_err", "rel_err", lambda v: f"{v:.1e}", "norm against fp64"),
+    common.Column(
+        "rel_err", "rel_err", lambda v: f"{v:.1e}", "norm against fp64 (per_param: the worst)"
+    ),
 ]
 
 

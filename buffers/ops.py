@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -22,7 +23,15 @@ import torch
 
 from . import native
 from .options import DEFAULT, BufferOptions
-from .segments import SegmentTable, SpanSegments, torch_segment_stats_
+from .segments import (
+    SegmentTable,
+    SpanSegments,
+    add_sub_results_,
+    chunk_numel,
+    chunk_stats_,
+    sub_results,
+    torch_segment_stats_,
+)
 
 INF = math.inf
 
@@ -349,6 +358,15 @@ def run_pieces(tasks: Sequence) -> list:
     return results
 
 
+def _cpu_chunk_stats_(
+    buf: torch.Tensor, table: SegmentTable, p: float, start: int, chunk: int, subs: torch.Tensor
+) -> None:
+    """:func:`buffers.segments.chunk_stats_` of the chunk at ``start``, through this thread's
+    scratch."""
+    scratch = _scratch(buf.device, subs.dtype, min(chunk, table.numel - start))
+    chunk_stats_(buf, table, p, start, start + chunk, scratch, subs)
+
+
 _OPENMP: bool | None = None
 
 
@@ -485,9 +503,24 @@ class TorchBackend:
         """Add each parameter slot's sum of |x|^p (max |x| for inf) into ``out[id]``.
 
         One pass over ``buf`` (:func:`buffers.segments.torch_segment_stats_`); ``out`` and
-        ``nan`` are fp64 vectors indexed by the table's segment ids.
+        ``nan`` are fp64 vectors indexed by the table's segment ids. On the CPU the pass's
+        chunks are shared out as the norm's pieces are (:func:`run_pieces`: every op on one
+        thread) and the reductions of their results run on the calling thread alone: each
+        of torch's multi-threaded ops waits for all its threads, which stall while other
+        processes hold the cores (``benchmarks/cpu_norm.py``'s ``per_param`` rows).
         """
-        torch_segment_stats_(buf, table, p, out, nan)
+        if buf.device.type != "cpu":
+            torch_segment_stats_(buf, table, p, out, nan)
+            return
+        subs = sub_results(buf, table)
+        if subs.numel():
+            chunk = chunk_numel(buf.device)
+            tasks = range(0, table.numel, chunk)
+            run_pieces(
+                [functools.partial(_cpu_chunk_stats_, buf, table, p, s, chunk, subs) for s in tasks]
+            )
+        with single_thread():
+            add_sub_results_(table, p, subs, out, nan)
 
     def prepare_segments(self, buf: torch.Tensor, table: SegmentTable) -> None:
         """Build whatever per-table state the backend caches (called at construction)."""

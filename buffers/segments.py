@@ -148,26 +148,62 @@ def torch_segment_stats_(
     ``out`` and ``nan`` are fp64 vectors indexed by segment id (``nan`` counts NaN seen by
     the inf-norm; untouched otherwise). One read of ``buf``, chunk by chunk through a
     reused scratch: each sub-block is reduced in fp32 (fp64 for fp64 buffers) into a small
-    vector of sub-block results, which blocks then reduce further; only that vector (not
-    the buffer) is read again for the sub-blocks of boundary blocks.
+    vector of sub-block results (:func:`chunk_stats_`), which blocks then reduce further;
+    only that vector (not the buffer) is read again for the sub-blocks of boundary blocks
+    (:func:`add_sub_results_`).
     """
-    acc = torch.promote_types(buf.dtype, torch.float32)
-    inf = p == math.inf
-    sub = table.sub
-    subs = torch.empty(table.numel // sub, dtype=acc, device=buf.device)
+    subs = sub_results(buf, table)
     if subs.numel():
-        chunk = _CHUNK.get(buf.device.type, _CHUNK_OTHER)
-        scratch = torch.empty(min(chunk, table.numel), dtype=acc, device=buf.device)
+        chunk = chunk_numel(buf.device)
+        scratch = torch.empty(min(chunk, table.numel), dtype=subs.dtype, device=buf.device)
         for start in range(0, table.numel, chunk):
-            c = buf[start : start + chunk]
-            s = scratch[: c.numel()]
-            s.copy_(c)
-            rows = _power_(s, p).view(-1, sub)
-            dest = subs[start // sub : (start + c.numel()) // sub]
-            (torch.amax if inf else torch.sum)(rows, dim=1, out=dest)
+            chunk_stats_(buf, table, p, start, start + chunk, scratch, subs)
+    add_sub_results_(table, p, subs, out, nan)
+
+
+def chunk_numel(device: torch.device) -> int:
+    """Elements one :func:`chunk_stats_` reads at a time on ``device`` (a multiple of
+    :data:`BLOCK`)."""
+    return _CHUNK.get(device.type, _CHUNK_OTHER)
+
+
+def sub_results(buf: torch.Tensor, table: SegmentTable) -> torch.Tensor:
+    """The vector of sub-block results of ``buf`` (uninitialised), in the accumulation dtype:
+    fp32, fp64 for fp64 buffers."""
+    acc = torch.promote_types(buf.dtype, torch.float32)
+    return torch.empty(table.numel // table.sub, dtype=acc, device=buf.device)
+
+
+def chunk_stats_(
+    buf: torch.Tensor,
+    table: SegmentTable,
+    p: float,
+    start: int,
+    stop: int,
+    scratch: torch.Tensor,
+    subs: torch.Tensor,
+) -> None:
+    """Each sub-block's sum of |x|^p (max |x| for inf) of ``buf[start:stop]`` into its
+    entries of ``subs``, upcast through ``scratch`` (at least ``stop - start`` elements of
+    ``subs``' dtype). Chunks write disjoint entries: they may run on several threads, each
+    with a scratch of its own."""
+    c = buf[start:stop]
+    s = scratch[: c.numel()]
+    s.copy_(c)
+    rows = _power_(s, p).view(-1, table.sub)
+    dest = subs[start // table.sub : (start + c.numel()) // table.sub]
+    (torch.amax if p == math.inf else torch.sum)(rows, dim=1, out=dest)
+
+
+def add_sub_results_(
+    table: SegmentTable, p: float, subs: torch.Tensor, out: torch.Tensor, nan: torch.Tensor
+) -> None:
+    """Add the sub-block results ``subs`` to their segments in ``out``: a full block inside
+    one segment as one value, the sub-blocks of boundary blocks and of the tail one by one."""
+    inf = p == math.inf
     n_full = table.n_full
     if n_full:
-        per_block = subs[: n_full * (BLOCK // sub)].view(n_full, BLOCK // sub)
+        per_block = subs[: n_full * (BLOCK // table.sub)].view(n_full, BLOCK // table.sub)
         blocks = per_block.amax(dim=1) if inf else per_block.sum(dim=1)
         _add_to(out, nan, table.block_seg, blocks, p)
     if table.sub_ids.numel():

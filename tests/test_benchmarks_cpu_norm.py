@@ -19,7 +19,7 @@ def test_cpu_norm_rows_and_accuracy(tmp_path):
     assert [(w["op"], w["time_s"]) for w in written] == [(r["op"], r["time_s"]) for r in records]
     keys = {(r["inventory"], r["busy"], r["variant"], r["op"]) for r in records}
     ops = {(v, o) for v in ("ours", "ours_torch_ops", "torch") for o in ("norm", "clip")}
-    ops.add(("ours", "first"))
+    ops |= {("ours", "first"), ("ours", "per_param"), ("torch", "per_param")}
     zero = {("many_small", b, v, "zero_backward") for b in (0, 1) for v in ("ours", "torch")}
     zero |= {("many_small", b, "ours", "check") for b in (0, 1)}
     assert keys == {(i, b, v, o) for i in script.INVENTORIES for b in (0, 1) for v, o in ops} | zero
@@ -27,8 +27,11 @@ def test_cpu_norm_rows_and_accuracy(tmp_path):
         assert "error" not in r, r
         assert r["time_s"] > 0 and len(r["time_rounds_s"]) == 2
         assert (r.get("ratio") is not None) == (r["variant"] != "torch")
+        assert ("rel_err" in r) == (r["op"] in ("norm", "per_param")), r
         if r["op"] == "norm" and r["variant"] != "torch":
             assert abs(r["rel_err"]) < 2e-7  # fp32 accumulation; torch's is bf16's
+        if r["op"] == "per_param":  # the worst parameter's, both in fp32
+            assert 0 <= r["rel_err"] < 1e-6, r
     assert {r["num_params"] for r in records} == {150, 40}
     by_key = {(r["inventory"], r["busy"], r["variant"], r["op"]): r for r in records}
     for busy in (0, 1):  # the check's ratio is to ours' own norm, not to torch's

@@ -234,6 +234,73 @@ def test_segment_table_random_layouts_against_fp64():
                 assert rel(out[i].item(), want) <= 1e-6, (trial, p, i)
 
 
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_the_cpu_pass_shares_its_chunks_and_runs_every_op_on_one_thread(monkeypatch, p):
+    """On the CPU the segmented pass hands its chunks to run_pieces, one task each, and
+    every op of it (the chunks' and the reductions of their results) runs at one torch
+    thread whatever torch's count, so no op waits for threads a busy machine holds
+    (``benchmarks/cpu_norm.py``'s per_param rows); the count is restored after. The sums
+    are the in-order pass's bits at two threads and at one, within 1e-6 of fp64."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch's thread count is per calling thread only with OpenMP")
+    from buffers import ops, segments
+
+    monkeypatch.setitem(segments._CHUNK, "cpu", 4 * BLOCK)  # several chunks, a short last one
+    gen = torch.Generator().manual_seed(31)
+    sizes = [3 * BLOCK + 5, 17, 9 * BLOCK, 0, BLOCK - 1, 2 * BLOCK + 40]
+    slots, off = [], 0
+    for i, size in enumerate(sizes):
+        slots.append((off, size, i))
+        off = -(-(off + size) // 64) * 64
+    buf = torch.zeros(off, dtype=BF16)
+    for o, size, _ in slots:
+        buf[o : o + size] = torch.randn(size, generator=gen).to(BF16)
+    table = build_segment_table(off, slots, len(sizes), torch.device("cpu"))
+
+    threads_at = []  # (which op, torch's thread count when it ran)
+    tasks_given = []
+
+    def noted(what, real):
+        def call(*args):
+            threads_at.append((what, torch.get_num_threads()))
+            return real(*args)
+
+        return call
+
+    monkeypatch.setattr(segments, "_power_", noted("chunk", segments._power_))
+    monkeypatch.setattr(segments, "_add_to", noted("add", segments._add_to))
+    real_run = ops.run_pieces
+    monkeypatch.setattr(
+        ops, "run_pieces", lambda tasks: tasks_given.append(len(tasks)) or real_run(tasks)
+    )
+
+    def stats(threads: int, in_order: bool = False) -> torch.Tensor:
+        out = torch.zeros(len(sizes) + 1, dtype=FP64)
+        nan = torch.zeros(len(sizes) + 1, dtype=FP64)
+        torch.set_num_threads(threads)
+        if in_order:
+            torch_segment_stats_(buf, table, p, out, nan)
+        else:
+            ops.TorchBackend().segment_stats_(buf, table, p, out, nan)
+        assert torch.get_num_threads() == threads
+        return out
+
+    before = torch.get_num_threads()
+    try:
+        two = stats(2)
+        chunks = -(-off // (4 * BLOCK))
+        assert chunks > 2 and tasks_given == [chunks]
+        assert sorted(set(threads_at)) == [("add", 1), ("chunk", 1)]
+        one, in_order = stats(1), stats(2, in_order=True)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(two, one) and torch.equal(two, in_order)
+    for o, size, i in slots:
+        x = buf[o : o + size].double().abs()
+        want = (x.max().item() if size else 0.0) if p == math.inf else x.square().sum().item()
+        assert rel(two[i].item(), want) <= 1e-6, i
+
+
 TRITON_SCRIPT = textwrap.dedent(
     """
     import math, torch
