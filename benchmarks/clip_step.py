@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None):
     ap = common.base_parser(__doc__.splitlines()[0])
     ap.add_argument(
         "--bytes",
-        type=int,
+        type=common.positive_int,
         default=None,
         help="gradient bytes of the inventory (default: 8 MiB on the CPU, 2 GiB on CUDA)",
     )

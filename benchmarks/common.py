@@ -14,8 +14,11 @@ bytes, so a pass that reads N bytes once has the floor ``N / bandwidth`` and a
 read-modify-write pass ``2 N / bandwidth``.
 
 Output folder: ``--out DIR`` when given, else ``$OUT`` when set, else ``bench-out`` (relative
-to the current directory). Importing this module also hides megatron-core's import-time
-notices that are known and harmless here (:func:`quiet_known_notices`).
+to the current directory). Arguments are checked before anything is measured: every
+script's parser (:func:`base_parser`) refuses a bad value in one line naming the option,
+and an output folder it cannot write (:func:`unwritable`). Importing this module also
+hides megatron-core's import-time notices that are known and harmless here
+(:func:`quiet_known_notices`).
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -78,6 +82,104 @@ def default_out() -> Path:
     return Path(os.environ.get("OUT") or "bench-out")
 
 
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def ints_at_least(minimum: int) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated ints, each at least ``minimum`` (``"1,2"``)."""
+    one = int_at_least(minimum)
+
+    def parse(text: str) -> list[int]:
+        return [one(v.strip()) for v in text.split(",") if v.strip()]
+
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse type: an offload fraction, a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
+def float_above(minimum: float, *, or_equal: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float above ``minimum`` (or equal to it, ``or_equal``)."""
+    bound = f"{'>=' if or_equal else '>'} {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text!r}") from None
+        low_ok = value >= minimum if or_equal else value > minimum
+        if not (low_ok and value < math.inf):  # NaN too
+            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text}")
+        return value
+
+    return parse
+
+
+positive_float = float_above(0.0)
+non_negative_float = float_above(0.0, or_equal=True)
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why the benchmark's files cannot be written to ``folder``; None when they can.
+
+    Found without creating anything that stays: the deepest part of ``folder`` that exists
+    must be a folder in which a file can be created (one is, then removed).
+    """
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{folder}: {existing} is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return f"{folder}: cannot create a file in {existing} ({e.strerror or e})"
+    return None
+
+
+class BenchmarkParser(argparse.ArgumentParser):
+    """argparse with a usage error in one line (what was wrong, naming the option) and the
+    output folder checked once the arguments are parsed, before anything is measured."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extra = super().parse_known_args(args, namespace)
+        out = getattr(parsed, "out", None)
+        if out is not None and (why := unwritable(out)) is not None:
+            typed = sys.argv[1:] if args is None else list(args)
+            flag = any(a == "--out" or a.startswith("--out=") for a in typed)
+            given = "$OUT" if os.environ.get("OUT") and not flag else "--out"
+            self.error(f"argument {given}: {why}; give a folder that can be written")
+        return parsed, extra
+
+
 def base_parser(description: str, timed: bool = True) -> argparse.ArgumentParser:
     """An argument parser with the options every benchmark script takes.
 
@@ -88,9 +190,10 @@ def base_parser(description: str, timed: bool = True) -> argparse.ArgumentParser
         timed: add ``--warmup`` and ``--reps`` (for scripts that time calls).
 
     Returns:
-        The parser: ``--device``, ``--out`` and, when timed, ``--warmup``, ``--reps``.
+        The parser (a :class:`BenchmarkParser`): ``--device``, ``--out`` and, when timed,
+        ``--warmup``, ``--reps``, ``--rounds``.
     """
-    ap = argparse.ArgumentParser(description=description)
+    ap = BenchmarkParser(description=description)
     ap.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -108,20 +211,20 @@ def base_parser(description: str, timed: bool = True) -> argparse.ArgumentParser
         cpu, cuda = DEFAULT_REPEATS["cpu"], DEFAULT_REPEATS["cuda"]
         ap.add_argument(
             "--warmup",
-            type=int,
+            type=non_negative_int,
             default=None,
             help=f"untimed calls before timing (default: {cpu[0]} on the CPU, {cuda[0]} on CUDA)",
         )
         ap.add_argument(
             "--reps",
-            type=int,
+            type=positive_int,
             default=None,
             help=f"timed calls per measurement, spread over its rounds (default: {cpu[1]} on "
             f"the CPU, {cuda[1]} on CUDA; fewer when one call takes long)",
         )
         ap.add_argument(
             "--rounds",
-            type=int,
+            type=positive_int,
             default=None,
             help="interleaved rounds: every variant and the floor's copy timed once per round, "
             "in turn; each reports its fastest round's median, and a spread over "
@@ -173,14 +276,15 @@ def repeats(args: argparse.Namespace, device: torch.device) -> tuple[int, int]:
     warmup, reps = DEFAULT_REPEATS[device.type]
     return (
         warmup if args.warmup is None else args.warmup,
-        reps if args.reps is None else max(1, args.reps),
+        reps if args.reps is None else args.reps,
     )
 
 
 def rounds(args: argparse.Namespace, device: torch.device) -> int:
-    """Interleaved rounds: ``--rounds``, else the device type's default; at least 1."""
+    """Interleaved rounds: ``--rounds`` (1 or more: :func:`base_parser`), else the device
+    type's default."""
     given = getattr(args, "rounds", None)
-    return max(1, DEFAULT_ROUNDS[device.type] if given is None else given)
+    return DEFAULT_ROUNDS[device.type] if given is None else given
 
 
 def per_round(reps: int, rounds: int) -> int:

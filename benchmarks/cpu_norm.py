@@ -63,11 +63,13 @@ def parse_args(argv: list[str] | None):
     ap = common.base_parser(__doc__.splitlines()[0])
     ap.add_argument(
         "--threads",
+        type=common.ints_at_least(1),
         default="1,2",
         help="comma-separated torch thread counts to run at (default: %(default)s)",
     )
     ap.add_argument(
         "--busy",
+        type=common.ints_at_least(0),
         default="0,2",
         help="comma-separated numbers of busy-looping processes running during the timing "
         "(default: %(default)s)",
@@ -84,7 +86,7 @@ def parse_args(argv: list[str] | None):
     )
     ap.add_argument(
         "--numel",
-        type=int,
+        type=common.positive_int,
         default=52_000_000,
         help=f"elements of few_large, in {LARGE_PARAMS} parameters (default: %(default)s)",
     )
@@ -97,13 +99,20 @@ def parse_args(argv: list[str] | None):
     try:
         count, each = (int(v) for v in args.small.split("x"))
     except ValueError:
-        ap.error(f"--small: expected COUNTxELEMENTS such as 3000x4096, got {args.small!r}")
+        count = each = 0
+    if count < 1 or each < 1:
+        ap.error(f"argument --small: expected COUNTxELEMENTS such as 3000x4096, got {args.small!r}")
     args.small = (count, each)
+    args.inventories = [i for i in args.inventories.split(",") if i]
+    unknown = [i for i in args.inventories if i not in INVENTORIES]
+    if unknown:
+        ap.error(f"argument --inventories: unknown {unknown}; known: {list(INVENTORIES)}")
+    names = [d for d in args.dtypes.split(",") if d]
+    args.dtypes = [getattr(torch, name, None) for name in names]
+    wrong = [n for n, d in zip(names, args.dtypes, strict=True) if not isinstance(d, torch.dtype)]
+    if wrong:
+        ap.error(f"argument --dtypes: {wrong} not torch dtypes (e.g. bfloat16,float32)")
     return args
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
 
 
 def _params(inventory: str, args, dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -223,9 +232,9 @@ def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, ro
     records = []
     saved = torch.get_num_threads()
     try:
-        for threads in _ints(args.threads):
+        for threads in args.threads:
             torch.set_num_threads(threads)
-            for busy in _ints(args.busy):
+            for busy in args.busy:
                 measures = {key: _measure(fn, warmup, reps) for key, fn in calls.items()}
                 measures[("ours", "first")] = fresh_first
                 with Busy(busy):
@@ -328,13 +337,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(title)
     print(f"CPU norm path: {native.describe()}")
     records = []
-    for inventory in [i for i in args.inventories.split(",") if i]:
-        if inventory not in INVENTORIES:
-            raise SystemExit(f"--inventories: unknown {inventory!r}; known: {INVENTORIES}")
-        for name in [d for d in args.dtypes.split(",") if d]:
-            dtype = getattr(torch, name, None)
-            if not isinstance(dtype, torch.dtype):
-                raise SystemExit(f"--dtypes: {name!r} is not a torch dtype")
+    for inventory in args.inventories:
+        for dtype in args.dtypes:
             records += measure(inventory, dtype, args, warmup, per_round, rounds)
     print(common.format_table(records, COLUMNS))
     spreads = {

@@ -147,24 +147,29 @@ def layout_record(s: Setting, dp: int, bucket_size: int | None) -> dict:
 def parse_args(argv: list[str] | None):
     """The command line: common options plus data-parallel size and the measured model."""
     ap = common.base_parser(__doc__.splitlines()[0], timed=False)
-    ap.add_argument("--dp", type=int, default=8, help="data-parallel size (default: %(default)s)")
+    ap.add_argument(
+        "--dp",
+        type=common.positive_int,
+        default=8,
+        help="data-parallel size (default: %(default)s)",
+    )
     ap.add_argument(
         "--bucket-size",
-        type=int,
+        type=common.positive_int,
         default=None,
         help="elements per DDP bucket (default: none; Megatron turns bucketing off on "
         "pipeline stages after the first, and these are middle stages)",
     )
     ap.add_argument(
         "--hidden",
-        type=int,
+        type=common.positive_int,
         default=None,
         help=f"hidden size of the measured model (default: {MEASURED_SIZES['cuda'][0]} on "
         f"CUDA, {MEASURED_SIZES['cpu'][0]} on the CPU)",
     )
     ap.add_argument(
         "--layers",
-        type=int,
+        type=common.positive_int,
         default=None,
         help=f"Linear layers of the measured model (default: {MEASURED_SIZES['cuda'][1]} on "
         f"CUDA, {MEASURED_SIZES['cpu'][1]} on the CPU)",

@@ -123,13 +123,14 @@ def parse_args(argv: list[str] | None):
     )
     ap.add_argument(
         "--scaling-counts",
+        type=common.ints_at_least(1),
         default="80,300,1000,3000,10000",
         help="parameter counts of the scaling series, comma-separated; empty: no series "
         "(default: %(default)s)",
     )
     ap.add_argument(
         "--scaling-bytes",
-        type=int,
+        type=common.positive_int,
         default=None,
         help="total gradient bytes of each scaling inventory (default: 8 MiB on the CPU, "
         "1 GiB on CUDA)",
@@ -149,7 +150,7 @@ def parse_args(argv: list[str] | None):
     )
     ap.add_argument(
         "--host-profile",
-        type=int,
+        type=common.non_negative_int,
         default=0,
         metavar="CALLS",
         help="also profile CALLS calls of every op with cProfile and record the functions "
@@ -164,8 +165,6 @@ def parse_args(argv: list[str] | None):
         "DIR/norm_clip.txt either way (default: %(default)s)",
     )
     args = ap.parse_args(argv)
-    if args.host_profile < 0:
-        ap.error("--host-profile takes a number of calls >= 0")
     if args.variants is None:
         skip = CUDA_ONLY if args.device != "cuda" else set()
         args.variants = ",".join(v for v in VARIANTS if v not in skip)
@@ -202,7 +201,7 @@ def build_inventories(args, device: torch.device) -> list[Inventory]:
         else:
             out.append(build(args.scale))
     total = args.scaling_bytes or SCALING_BYTES[device.type]
-    out += [inventories.scaling_inventory(int(n), total) for n in _split(args.scaling_counts)]
+    out += [inventories.scaling_inventory(n, total) for n in args.scaling_counts]
     return out
 
 

@@ -85,31 +85,26 @@ def parse_args(argv: list[str] | None):
     """The command line: common options plus sizes, data parallelism and fraction."""
     ap = common.base_parser(__doc__.splitlines()[0])
     ap.add_argument(
-        "--bytes", type=int, default=None,
+        "--bytes", type=common.positive_int, default=None,
         help="gradient bytes of each inventory (default: 4 MiB on the CPU, 1 GiB on CUDA)",
     )  # fmt: skip
     ap.add_argument(
         "--dp",
-        type=int,
+        type=common.positive_int,
         default=1,
         help="data-parallel ranks; rank 0's shard is measured (default: %(default)s)",
     )
     ap.add_argument(
         "--fraction",
-        type=float,
+        type=common.fraction,
         default=1.0,
         help="optimizer_offload_fraction, in (0, 1] (default: %(default)s)",
     )
     ap.add_argument(
-        "--bucket-numel", type=int, default=40_000_000,
+        "--bucket-numel", type=common.positive_int, default=40_000_000,
         help="elements per DDP bucket (default: %(default)s, megatron-core's for dp <= 40)",
     )  # fmt: skip
-    args = ap.parse_args(argv)
-    if not 0.0 < args.fraction <= 1.0:
-        ap.error(f"--fraction must be in (0, 1], got {args.fraction}")
-    if args.dp < 1:
-        ap.error(f"--dp must be >= 1, got {args.dp}")
-    return args
+    return ap.parse_args(argv)
 
 
 @dataclass

@@ -73,8 +73,13 @@ from benchmarks.common import (
     empty_panel,
     error_fields,
     format_table,
+    fraction,
     gib,
     new_figure,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
     run_title,
     save_figure,
     single_rank_process_group,
@@ -472,36 +477,40 @@ def parse_args(argv: list[str] | None):
     from benchmarks.train_step import MODEL_SIZES  # its model, so its sizes
 
     ap = base_parser(__doc__.splitlines()[0], timed=False)
-    for name, default, meaning in (
-        *MODEL_SIZES,
-        ("--steps", 5, "timed training steps per configuration"),
-        ("--warmup", 3, "untimed training steps first (the delayed update's warm-up among them)"),
-        ("--loss-steps", 0, "steps of each loss curve (0: none; 200 or more to compare)"),
-        ("--loss-batches", 16, "fixed micro-batches the loss curves cycle through"),
-        ("--delay-warmup", 10, "exact steps before the delayed loss curve's delay starts"),
-        ("--markov-states", 1024, "tokens the markov loss task's chain moves over"),
-    ):
-        ap.add_argument(name, type=int, default=default, help=f"{meaning} (default: %(default)s)")
+    for name, default, meaning, kind in (
+        *((*size, positive_int) for size in MODEL_SIZES),
+        ("--steps", 5, "timed training steps per configuration", positive_int),
+        ("--warmup", 3, "untimed training steps first (the delayed update's warm-up among them)",
+         non_negative_int),
+        ("--loss-steps", 0, "steps of each loss curve (0: none; 200 or more to compare)",
+         non_negative_int),
+        ("--loss-batches", 16, "fixed micro-batches the loss curves cycle through", positive_int),
+        ("--delay-warmup", 10, "exact steps before the delayed loss curve's delay starts",
+         non_negative_int),
+        ("--markov-states", 1024, "tokens the markov loss task's chain moves over (at most "
+         "--vocab)", positive_int),
+    ):  # fmt: skip
+        ap.add_argument(name, type=kind, default=default, help=f"{meaning} (default: %(default)s)")
     ap.add_argument(
-        "--micro-batches", type=int, nargs="*", default=[1, 4, 8],
+        "--micro-batches", type=positive_int, nargs="*", default=[1, 4, 8],
         help="micro-batches per training step (default: %(default)s; none: only the loss "
         "curves)",
     )  # fmt: skip
     ap.add_argument(
-        "--fractions", type=float, nargs="+", default=[1.0, 0.5],
-        help="offload fractions (default: %(default)s)",
+        "--fractions", type=fraction, nargs="+", default=[1.0, 0.5],
+        help="offload fractions, each in (0, 1] (default: %(default)s)",
     )  # fmt: skip
     ap.add_argument(
         "--loss-tasks", nargs="+", choices=["markov", "memorize"], default=["markov", "memorize"],
         help="what the loss curves train on (default: %(default)s)",
     )  # fmt: skip
     ap.add_argument(
-        "--thread-variants", type=int, nargs="*", default=None,
+        "--thread-variants", type=positive_int, nargs="*", default=None,
         help="the delayed worker's thread counts also measured at the first fraction "
         "(default: every usable core)",
     )  # fmt: skip
     ap.add_argument(
-        "--overlap-threads", type=int, nargs="*", default=[],
+        "--overlap-threads", type=positive_int, nargs="*", default=[],
         help="the overlapped step's thread counts also measured at the first fraction "
         "(default: none; its own default is torch's setting)",
     )  # fmt: skip
@@ -518,9 +527,11 @@ def parse_args(argv: list[str] | None):
         "--loss-curves", nargs="+", choices=CURVES, default=list(CURVES),
         help="which of the loss curves to train (default: all four)",
     )  # fmt: skip
-    ap.add_argument("--lr", type=float, default=3e-4, help="Adam's lr (default: %(default)s)")
     ap.add_argument(
-        "--lr-warmup-steps", type=int, default=0,
+        "--lr", type=positive_float, default=3e-4, help="Adam's lr (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--lr-warmup-steps", type=non_negative_int, default=0,
         help="loss curves: the lr rises linearly from 0 over these steps (default: "
         "%(default)s)",
     )  # fmt: skip
@@ -530,10 +541,14 @@ def parse_args(argv: list[str] | None):
         "OptimizerParamScheduler (default: %(default)s)",
     )  # fmt: skip
     ap.add_argument(
-        "--min-lr", type=float, default=None,
+        "--min-lr", type=non_negative_float, default=None,
         help="loss curves: where a decaying lr ends (default: a tenth of --lr)",
     )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.markov_states > args.vocab:
+        ap.error(
+            f"argument --markov-states: {args.markov_states} tokens, more than --vocab {args.vocab}"
+        )
     if 0 < args.loss_steps <= args.lr_warmup_steps:
         ap.error(
             f"--lr-warmup-steps {args.lr_warmup_steps} must be fewer than --loss-steps "

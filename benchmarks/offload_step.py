@@ -516,9 +516,15 @@ def parse_args(argv):
         ("--chunk-numel", DEFAULT_CHUNK_NUMEL, "elements per chunk (one copy each way)"),
         ("--compute-numel", DEFAULT_COMPUTE_NUMEL, "elements per sub-range of a chunk"),
     ):
-        ap.add_argument(name, type=int, default=default, help=f"{meaning} (default: %(default)s)")
+        ap.add_argument(
+            name, type=common.positive_int, default=default,
+            help=f"{meaning} (default: %(default)s)",
+        )  # fmt: skip
     ap.add_argument(
-        "--fraction", type=float, default=1.0, help="offload fraction (default: %(default)s)"
+        "--fraction",
+        type=common.fraction,
+        default=1.0,
+        help="offload fraction, in (0, 1] (default: %(default)s)",
     )
     ap.add_argument(
         "--variants",
@@ -529,7 +535,7 @@ def parse_args(argv):
     )
     ap.add_argument(
         "--threads",
-        type=int,
+        type=common.positive_int,
         nargs="+",
         default=None,
         help="torch intra-op thread counts to measure at (default: torch's current number)",

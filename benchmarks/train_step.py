@@ -43,6 +43,8 @@ from benchmarks.common import (
     format_table,
     gib,
     new_figure,
+    non_negative_int,
+    positive_int,
     progress,
     run_title,
     save_figure,
@@ -404,10 +406,17 @@ def parse_args(argv: list[str] | None):
     for name, default, meaning in (
         *MODEL_SIZES,
         ("--steps", 6, "timed training steps per configuration"),
-        ("--warmup", 2, "untimed training steps first"),
         ("--rounds", 2, "interleaved rounds: every configuration built and stepped once each"),
     ):
-        ap.add_argument(name, type=int, default=default, help=f"{meaning} (default: %(default)s)")
+        ap.add_argument(
+            name, type=positive_int, default=default, help=f"{meaning} (default: %(default)s)"
+        )
+    ap.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=2,
+        help="untimed training steps first (default: %(default)s)",
+    )
     ap.add_argument(
         "--configs",
         default="",

@@ -124,6 +124,76 @@ def test_out_comes_from_the_flag_then_OUT_then_bench_out(tmp_path, monkeypatch):
     assert (tmp_path / "bench-out" / "memory.json").exists()
 
 
+# --- every script: arguments and the output folder checked before anything is measured ---
+
+BAD_VALUES = [
+    ("norm_clip", ["--rounds", "0"], "--rounds: expected an integer >= 1, got 0"),
+    ("norm_clip", ["--reps", "0"], "--reps: expected an integer >= 1, got 0"),
+    ("norm_clip", ["--warmup", "-1"], "--warmup: expected an integer >= 0, got -1"),
+    ("norm_clip", ["--host-profile", "-1"], "--host-profile: expected an integer >= 0"),
+    ("norm_clip", ["--scaling-counts", "80,0"], "--scaling-counts: expected an integer >= 1"),
+    ("norm_clip", ["--scaling-bytes", "0"], "--scaling-bytes: expected an integer >= 1"),
+    ("offload_step", ["--fraction", "0"], "--fraction: expected a number in (0, 1], got 0"),
+    ("offload_step", ["--fraction", "-1"], "--fraction: expected a number in (0, 1], got -1"),
+    ("offload_step", ["--fraction", "1.5"], "--fraction: expected a number in (0, 1], got 1.5"),
+    ("offload_step", ["--fraction", "nan"], "--fraction: expected a number in (0, 1], got nan"),
+    ("offload_step", ["--fraction", "x"], "--fraction: expected a number in (0, 1], got 'x'"),
+    ("offload_step", ["--threads", "2", "0"], "--threads: expected an integer >= 1, got 0"),
+    ("offload_step", ["--chunk-numel", "0"], "--chunk-numel: expected an integer >= 1, got 0"),
+    ("cpu_norm", ["--threads", "1,0"], "--threads: expected an integer >= 1, got 0"),
+    ("cpu_norm", ["--busy", "-1"], "--busy: expected an integer >= 0, got -1"),
+    ("cpu_norm", ["--numel", "0"], "--numel: expected an integer >= 1, got 0"),
+    ("cpu_norm", ["--small", "0x64"], "--small: expected COUNTxELEMENTS"),
+    ("cpu_norm", ["--small", "many"], "--small: expected COUNTxELEMENTS"),
+    ("cpu_norm", ["--dtypes", "bfloat16,float33"], "--dtypes: ['float33'] not torch dtypes"),
+    ("cpu_norm", ["--inventories", "few_large,huge"], "--inventories: unknown ['huge']"),
+    ("clip_step", ["--bytes", "0"], "--bytes: expected an integer >= 1, got 0"),
+    ("memory", ["--dp", "0"], "--dp: expected an integer >= 1, got 0"),
+    ("memory", ["--hidden", "-8"], "--hidden: expected an integer >= 1, got -8"),
+    ("offload", ["--fraction", "1.5"], "--fraction: expected a number in (0, 1], got 1.5"),
+    ("offload", ["--dp", "0"], "--dp: expected an integer >= 1, got 0"),
+    ("offload", ["--bucket-numel", "0"], "--bucket-numel: expected an integer >= 1, got 0"),
+    ("offload_overlap", ["--fractions", "1", "0"], "--fractions: expected a number in (0, 1]"),
+    ("offload_overlap", ["--micro-batches", "0"], "--micro-batches: expected an integer >= 1"),
+    ("offload_overlap", ["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+    ("offload_overlap", ["--lr", "0"], "--lr: expected a number > 0, got 0"),
+    ("offload_overlap", ["--min-lr=-1e-5"], "--min-lr: expected a number >= 0, got -1e-5"),
+    ("offload_overlap", ["--markov-states", "40000"], "--markov-states: 40000 tokens, more than"),
+    ("train_step", ["--rounds", "0"], "--rounds: expected an integer >= 1, got 0"),
+    ("train_step", ["--warmup", "-1"], "--warmup: expected an integer >= 0, got -1"),
+    ("train_step", ["--hidden", "0"], "--hidden: expected an integer >= 1, got 0"),
+]
+
+
+def _refused_in_one_line(name: str, argv: list[str], capsys) -> str:
+    """Run the script on ``argv``; it must stop with one line on stderr and exit status 2
+    (nothing printed before it: no title, no measurement). Returns that line."""
+    script = load_script(name)
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--device", "cpu", *argv])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and err.count("\n") == 1, (exc.value.code, err)
+    assert err.endswith("(--help lists the options)\n"), err
+    return err
+
+
+@pytest.mark.parametrize(("name", "argv", "named"), BAD_VALUES)
+def test_a_bad_value_is_refused_in_one_line_naming_the_option(name, argv, named, tmp_path, capsys):
+    err = _refused_in_one_line(name, ["--out", str(tmp_path), *argv], capsys)
+    assert f": error: argument {named}" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_an_output_folder_that_cannot_be_written_is_refused_first(name, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = blocker / "results"
+    err = _refused_in_one_line(name, ["--out", str(out)], capsys)
+    assert f": error: argument --out: {out}: {blocker} is not a folder" in err, err
+    assert blocker.read_text() == ""
+
+
 # --- every PNG: titled with device and versions, no blank panel ------------------------------
 
 
