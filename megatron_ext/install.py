@@ -24,7 +24,10 @@ def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=No
     data-parallel group, then over ``grad_stats_parallel_group``, as stock does
     (``megatron/core/optimizer/clip_grads.py``). A list that mixes DTensors and plain
     tensors raises ``ValueError`` (stock takes the group of the list's last element, so
-    its result depends on the order). Returns a 0-dim tensor (no host sync).
+    its result depends on the order).
+
+    Returns a 0-dim fp32 tensor on the gradients' device, not the ``float`` stock is
+    annotated with (see :func:`install`): ``float(norm)`` or ``norm.item()`` gives the float.
     """
     to_local_if_dtensor = seam.target("dtensor helpers")
 
@@ -135,6 +138,15 @@ def install() -> list[str]:
     in this module, built on :mod:`buffers.lists`' grouping by (device, dtype). Modules
     imported later that import them from ``clip_grads`` get the new ones too.
     ``count_zeros_fp32`` is left alone (it is per-tensor and dtype-safe). Idempotent.
+
+    The norm comes back as a 0-dim fp32 tensor on the gradients' device, where stock's is
+    annotated ``-> float``: a float would cost a host sync at every call, and the optimizer
+    step calls it between the gradients' reduction and the clip and update it launches,
+    which would then wait for the norm. Stock's own type is not one either: a 1-element
+    tensor where transformer-engine is installed (no sync), a float only without it (or for
+    ``norm_type=inf``). megatron-core's callers take both (the clip, the chained optimizer's
+    ``math.sqrt`` of squares), and Megatron-LM's training loop makes it a float once per
+    step for its log. Code of your own that logs it (``json.dumps``) takes ``float(norm)``.
 
     Returns:
         The ``module.name`` entries replaced.

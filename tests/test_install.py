@@ -150,6 +150,46 @@ def test_the_norm_all_reduces_over_the_given_group_and_none_means_the_world(monk
     assert len(log) == 3
 
 
+@pytest.mark.parametrize("norm_type", [2, 3.0, math.inf])
+def test_the_norm_is_a_0_dim_fp32_tensor_that_stocks_callers_and_a_log_take(norm_type, monkeypatch):
+    """Not stock's annotated float (install()'s docstring says why): a 0-dim fp32 tensor
+    that megatron-core's own callers combine, and that float() hands to a JSON log."""
+    import json
+
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    from tests.support.optimizers import RankGroup, record_all_reduce
+
+    record_all_reduce(monkeypatch)
+    gen = torch.Generator().manual_seed(11)
+    parts = [
+        [torch.randn(500, generator=gen).bfloat16(), torch.randn(70, generator=gen)],
+        [torch.randn(90, generator=gen).half()],
+    ]
+    group = RankGroup(1)
+    norms = [
+        install_module.get_grad_norm_fp32(grads, norm_type, grad_stats_parallel_group=group)
+        for grads in parts
+    ]
+    for norm, grads in zip(norms, parts, strict=True):
+        want = torch.linalg.vector_norm(torch.cat([g.double() for g in grads]), norm_type)
+        assert isinstance(norm, torch.Tensor) and norm.dim() == 0 and norm.dtype == torch.float32
+        assert norm.device == grads[0].device
+        assert float(norm) == pytest.approx(want.item(), rel=1e-6)
+        assert json.loads(json.dumps(float(norm))) == float(norm)
+        assert f"{norm:.6e}" == f"{float(norm):.6e}"  # a log line's format
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        json.dumps(norms[0])  # what the docs say to do instead
+    # megatron-core's chained optimizer with groups not shared: the square root of the
+    # sum of its optimizers' squared norms, as it combines stock's floats
+    chain = type("Chain", (), {})()
+    chain.chained_optimizers = [type("Opt", (), {"get_grad_norm": lambda self, n=n: n})()
+                                for n in norms]  # fmt: skip
+    chain.grads_states_parallel_group_is_shared = lambda: False
+    got = ChainedOptimizer.get_grad_norm(chain)
+    assert float(got) == pytest.approx(math.sqrt(sum(float(n) ** 2 for n in norms)), rel=1e-6)
+
+
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_clip_scales_decoupled_or_plain_gradients_as_asked(decoupled):
     gen = torch.Generator().manual_seed(4)
