@@ -132,8 +132,7 @@ def run(args, device: torch.device) -> list[dict]:
     if shared is not None:
         _, fgb, opt = shared
         measures |= {v: timed(call_of(v, fgb, opt)) for v in VARIANTS}
-    bar = common.progress(range(rounds), "clip_step rounds")
-    results, errors = common.interleave(measures, len(bar))
+    results, errors = common.interleave(measures, rounds, f"clip_step {inv.name}")
     copies = results[COPY]
     floor = inv.nbytes / copy.bandwidth(min(copies))
     records = []

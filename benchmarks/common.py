@@ -186,14 +186,16 @@ def base_parser(description: str, timed: bool = True) -> argparse.ArgumentParser
     Every option's help ends with its default.
 
     Args:
-        description: the script's one-line description, shown by ``--help``.
+        description: the script's docstring (``--help`` shows its first paragraph) or a
+            one-line description.
         timed: add ``--warmup`` and ``--reps`` (for scripts that time calls).
 
     Returns:
         The parser (a :class:`BenchmarkParser`): ``--device``, ``--out`` and, when timed,
         ``--warmup``, ``--reps``, ``--rounds``.
     """
-    ap = BenchmarkParser(description=description)
+    first_paragraph = " ".join(description.strip().split("\n\n")[0].split())
+    ap = BenchmarkParser(description=first_paragraph)
     ap.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -292,13 +294,14 @@ def per_round(reps: int, rounds: int) -> int:
     return max(1, -(-reps // rounds))
 
 
-def interleave(measures: dict[Any, Callable[[int], Any]], rounds: int):
+def interleave(measures: dict[Any, Callable[[int], Any]], rounds: int, desc: str | None = None):
     """Call every measure once per round, in turn: a slow moment lands on all of them.
 
     Args:
         measures: key -> measure; a measure gets the round's index (0 first: warm up there)
             and returns what it measured.
         rounds: how many rounds.
+        desc: a :func:`progress` bar of this name that moves at every call (None: no bar).
 
     Returns:
         ``(results, errors)``: key -> one result per round, for the measures that never
@@ -306,14 +309,14 @@ def interleave(measures: dict[Any, Callable[[int], Any]], rounds: int):
     """
     results: dict[Any, list] = {key: [] for key in measures}
     errors: dict[Any, BaseException] = {}
-    for r in range(rounds):
-        for key, measure in measures.items():
-            if key in errors:
-                continue
-            try:
-                results[key].append(measure(r))
-            except Exception as exc:  # one failing row must not stop the others
-                errors[key] = exc
+    calls = [(r, key) for r in range(rounds) for key in measures]
+    for r, key in calls if desc is None else progress(calls, desc):
+        if key in errors:
+            continue
+        try:
+            results[key].append(measures[key](r))
+        except Exception as exc:  # one failing row must not stop the others
+            errors[key] = exc
     return {k: v for k, v in results.items() if k not in errors}, errors
 
 

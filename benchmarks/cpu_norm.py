@@ -237,8 +237,10 @@ def measure(inventory: str, dtype: torch.dtype, args, warmup: int, reps: int, ro
             for busy in args.busy:
                 measures = {key: _measure(fn, warmup, reps) for key, fn in calls.items()}
                 measures[("ours", "first")] = fresh_first
+                desc = f"{NAME} {inventory} {str(dtype).removeprefix('torch.')} "
+                desc += f"{threads} threads {busy} busy"
                 with Busy(busy):
-                    results, errors = common.interleave(measures, rounds)
+                    results, errors = common.interleave(measures, rounds, desc)
                 base = {
                     "inventory": inventory,
                     "dtype": dtype,
@@ -292,12 +294,22 @@ def _zero_backward_calls(inventory: str, args, dtype: torch.dtype) -> dict:
 
 
 COLUMNS = [
-    common.Column("inventory", "inventory"),
-    common.Column("dtype", "dtype", lambda d: str(d).removeprefix("torch.")),
+    common.Column(
+        "inventory",
+        "inventory",
+        meaning=f"few_large (--numel in {LARGE_PARAMS} parameters) or many_small (--small)",
+    ),
+    common.Column(
+        "dtype", "dtype", lambda d: str(d).removeprefix("torch."), "the gradients' dtype"
+    ),
     common.Column("thr", "threads", meaning="torch threads"),
     common.Column("busy", "busy", meaning="busy-looping processes during the timing"),
-    common.Column("variant", "variant"),
-    common.Column("op", "op"),
+    common.Column("variant", "variant", meaning="ours, ours_torch_ops (the kernel off) or torch"),
+    common.Column(
+        "op",
+        "op",
+        meaning="norm, clip, per_param, first (a fresh build's norm), zero_backward, check",
+    ),
     common.Column("ms", "time_s", common.show_ms, "fastest round's median, wall clock"),
     common.Column("spread", "time_spread", lambda v: f"{v:.0%}", "(slowest-fastest)/fastest"),
     common.Column(
@@ -309,7 +321,7 @@ COLUMNS = [
 ]
 
 
-def plot(records: list[dict], out: Path, title: str) -> None:
+def plot(records: list[dict], out: Path, title: str) -> Path | str:
     fig, (ax,) = common.new_figure(1, width=9.0)
     rows = [r for r in records if r.get("ratio") is not None and r["op"] != "first"]
     labels = [
@@ -322,7 +334,7 @@ def plot(records: list[dict], out: Path, title: str) -> None:
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("ours / torch time (below 1: ours faster)")
-    common.save_figure(fig, out, NAME, title)
+    return common.save_figure(fig, out, NAME, title)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -349,8 +361,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if "time_spread" in r
     }
     print(common.noise_line(spreads, rounds, device))
-    common.write_json(records, args.out, NAME)
-    plot(records, args.out, title)
+    json_path = common.write_json(records, args.out, NAME)
+    png_path = plot(records, args.out, title)
+    print(f"wrote {json_path} and {png_path}", file=sys.stderr)
     return records
 
 

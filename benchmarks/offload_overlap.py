@@ -476,7 +476,7 @@ def lr_schedule(args, opt):
 def parse_args(argv: list[str] | None):
     from benchmarks.train_step import MODEL_SIZES  # its model, so its sizes
 
-    ap = base_parser(__doc__.splitlines()[0], timed=False)
+    ap = base_parser(__doc__, timed=False)
     for name, default, meaning, kind in (
         *((*size, positive_int) for size in MODEL_SIZES),
         ("--steps", 5, "timed training steps per configuration", positive_int),
@@ -608,7 +608,7 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"{NAME}: {task} loss curves failed: {exc}", file=sys.stderr)
                 write_json([result], args.out, NAME)
         parallel_state.destroy_model_parallel()
-    _plot(result, args, title)
+    png_path = _plot(result, args, title)
     print(format_table(result["rows"], COLUMNS))
     for task, error in result.get("loss_error", {}).items():
         print(f"{task} loss curves failed: {error}")
@@ -620,6 +620,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"exact {_percent(loss['last_relative'])} (the reference's "
             f"{_percent(loss['resident_relative'])}){floor}"
         )
+    print(f"wrote {args.out / f'{NAME}.json'} and {png_path}", file=sys.stderr)
     return result
 
 
@@ -661,7 +662,7 @@ def _schedule_words(args) -> str:
     )
 
 
-def _plot(result: dict, args, title: str) -> None:
+def _plot(result: dict, args, title: str) -> Path | str:
     tasks = list(result["loss"] or {})
     timed = bool(result["rows"]) or not tasks  # no kept panel for a run of loss curves only
     panels = int(timed) + max(len(tasks), 1)
@@ -687,7 +688,7 @@ def _plot(result: dict, args, title: str) -> None:
             fontsize=8,
         )
         bx.legend(fontsize=7)
-    save_figure(fig, args.out, NAME, title)
+    return save_figure(fig, args.out, NAME, title)
 
 
 def _plot_kept(ax, rows: list[dict], args) -> None:

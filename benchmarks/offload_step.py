@@ -399,7 +399,7 @@ STEPPERS = {
 
 def measure(setup: Setup, rounds: int, warmup: int, reps: int, variants=VARIANTS) -> list[dict]:
     """Every variant (of ``variants``), mode and floor of one setup, interleaved over
-    ``rounds``."""
+    ``rounds``; a progress bar moves at each of them."""
     device = setup.device
     phases: dict[tuple[str, str], list[dict]] = {}
 
@@ -442,7 +442,8 @@ def measure(setup: Setup, rounds: int, warmup: int, reps: int, variants=VARIANTS
         ("d2h_floor_fp32", "-"): floor("d2h_floor_fp32"),
         ("h2d_floor_fp32", "-"): floor("h2d_floor_fp32"),
     }
-    results, errors = common.interleave(measures, rounds)
+    desc = f"{NAME} {torch.get_num_threads()} threads"
+    results, errors = common.interleave(measures, rounds, desc)
     floors = {k[0]: min(v) for k, v in results.items() if k[1] == "-"}
     rows = []
     for (name, mode), per_round in results.items():
@@ -543,6 +544,48 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
+# what each phase column holds (drained mode only: each phase timed alone)
+PHASE_MEANINGS = {
+    "d2h": "device-to-host copies of the gradients",
+    "wait": "the host's waits for copies",
+    "convert": "bf16 to fp32 on the host",
+    "cpu_update": "AdamW on the host (chunked: the kernel's whole pass)",
+    "pack": "fp32 to bf16 into the staging",
+    "h2d": "host-to-device copies of the parameters",
+    "gpu_update": "fused AdamW of the GPU-resident part",
+}
+COLUMNS = [
+    common.Column("threads", "threads", meaning="torch intra-op threads"),
+    common.Column(
+        "variant", "variant", meaning="the step measured (the script's docstring says each)"
+    ),
+    common.Column(
+        "kernel", "kernel", meaning="chunked steps' CPU update: native (compiled) or torch (ops)"
+    ),
+    common.Column(
+        "mode",
+        "mode",
+        meaning="overlapped: the step end to end; drained: each phase alone, device drained",
+    ),
+    common.Column("step ms", "step_s", common.show_ms, "median step, fastest round"),
+    common.Column(
+        "x cpu floor", "step_over_cpu_floor", lambda v: f"{v:.2f}", "step ms / cpu floor ms"
+    ),
+    *[
+        common.Column(f"{p} ms", f"{p}_s", common.show_ms, f"drained: {PHASE_MEANINGS[p]}")
+        for p in PHASES
+    ],
+    common.Column(
+        "cpu floor ms", "cpu_floor_s", common.show_ms, "fused AdamW over the CPU's elements"
+    ),
+    common.Column("d2h floor ms", "d2h_floor_s", common.show_ms, "one pinned copy, same bytes"),
+    common.Column("h2d floor ms", "h2d_floor_s", common.show_ms, "one pinned copy, same bytes"),
+    common.Column(
+        "error", "error", lambda v: v[:60], "why the row failed (its first 60 characters)"
+    ),
+]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = common.resolve_device(args.device)
@@ -563,7 +606,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     original = torch.get_num_threads()
     rows = []
     try:
-        for threads in common.progress(args.threads or [original], NAME):
+        for threads in args.threads or [original]:
             torch.set_num_threads(threads)
             done = measure(
                 setup, rounds, warmup, common.per_round(reps, rounds), tuple(args.variants)
@@ -573,45 +616,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 r["same_state_as_per_parameter"] = identical
             rows += done
             # after each thread count: a run stopped by a time limit keeps what it measured
-            common.write_json(rows, args.out, NAME)
+            json_path = common.write_json(rows, args.out, NAME)
     finally:
         torch.set_num_threads(original)
-    _plot(rows, args.out, f"{title} | offload fraction {args.fraction}")
+    png_path = _plot(rows, args.out, f"{title} | offload fraction {args.fraction}")
     good = [r for r in rows if "error" not in r]
     warning = common.spread_warning(
         {f"{r['variant']} {r['mode']} {r['threads']}t": r["step_spread"] for r in good}, rounds
     )
     if warning:
         print(warning)
-    ms = common.show_ms
-    print(
-        common.format_table(
-            rows,
-            [
-                common.Column("threads", "threads"),
-                common.Column("variant", "variant"),
-                common.Column("kernel", "kernel"),
-                common.Column("mode", "mode"),
-                common.Column("step ms", "step_s", ms, "median step, fastest round"),
-                common.Column("x cpu floor", "step_over_cpu_floor", lambda v: f"{v:.2f}"),
-                *[common.Column(f"{p} ms", f"{p}_s", ms) for p in PHASES],
-                common.Column(
-                    "cpu floor ms", "cpu_floor_s", ms, "fused AdamW over the CPU's elements"
-                ),
-                common.Column("d2h floor ms", "d2h_floor_s", ms, "one pinned copy, same bytes"),
-                common.Column("h2d floor ms", "h2d_floor_s", ms, "one pinned copy, same bytes"),
-                common.Column("error", "error", lambda v: v[:60]),
-            ],
-        )
-    )
+    print(common.format_table(rows, COLUMNS))
     print(
         "per-parameter, chunked_torch, chunked and chunked_device leave the same optimizer "
         f"state: {identical}"
     )
+    print(f"wrote {json_path} and {png_path}", file=sys.stderr)
     return rows
 
 
-def _plot(rows, out_dir, title) -> None:
+def _plot(rows, out_dir, title) -> Path | str:
     good = [r for r in rows if "error" not in r and r["mode"] == "drained"]
     # one bar per variant and thread count: wide enough that the labels do not overlap
     fig, (ax,) = common.new_figure(1, width=max(8.0, 0.9 * len(good)))
@@ -646,7 +670,7 @@ def _plot(rows, out_dir, title) -> None:
         for tick in ax.get_xticklabels():
             tick.set_horizontalalignment("right")
         ax.legend(fontsize=7)
-    common.save_figure(fig, out_dir, NAME, title)
+    return common.save_figure(fig, out_dir, NAME, title)
 
 
 if __name__ == "__main__":

@@ -460,17 +460,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     rows = measure_rounds(
         len(todo),
-        max(1, args.rounds),
+        args.rounds,
         lambda i: measure_in_fresh_process(args, todo[i]),
         lambda r: write_json(r, args.out, NAME),
     )
     warning = spread_warning(
         {f"{r['config']} {r['variant']}": r["step_spread"] for r in rows if "error" not in r},
-        max(1, args.rounds),
+        args.rounds,
     )
     if warning:
         print(warning)
-    _plot(rows, args, title)
+    png_path = _plot(rows, args, title)
     print(
         format_table(
             rows,
@@ -551,16 +551,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ],
         )
     )
+    print(f"wrote {args.out / f'{NAME}.json'} and {png_path}", file=sys.stderr)
     return rows
 
 
-def _plot(rows: list[dict], args, title: str) -> None:
+def _plot(rows: list[dict], args, title: str) -> Path | str:
     ok = [r for r in rows if "error" not in r]
     fig, (ax,) = new_figure(1, width=9)
     if not ok:
         empty_panel(ax, "every configuration failed (see the error column)")
-        save_figure(fig, args.out, NAME, title)
-        return
+        return save_figure(fig, args.out, NAME, title)
     labels = [f"{r['config']}\n{r['variant']}{'' if r['fp32_islands'] else ' (bf16)'}" for r in ok]
     bottom = [0.0] * len(ok)
     for key in ("fwd_bwd_ms", "norm_clip_ms", "optimizer_ms"):
@@ -571,7 +571,7 @@ def _plot(rows: list[dict], args, title: str) -> None:
     ax.set_title(f"GPTModel {args.layers}x{args.hidden}, one GPU (failed configs omitted)")
     ax.legend()
     ax.tick_params(axis="x", labelsize=7)
-    save_figure(fig, args.out, NAME, title)
+    return save_figure(fig, args.out, NAME, title)
 
 
 if __name__ == "__main__":

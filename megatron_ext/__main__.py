@@ -25,7 +25,7 @@ def help_text() -> str:
     """The entry points, one per line, each with what it does."""
     width = max(len(command) for command, _ in ENTRY_POINTS)
     lines = [
-        "usage: python -m megatron_ext.train SCRIPT [ARGS...]",
+        "usage: python -m megatron_ext [--help]",
         "",
         "megatron_ext is a library (import megatron_ext); its command-line entry points are:",
         *(f"  {command:<{width}}  {what}" for command, what in ENTRY_POINTS),

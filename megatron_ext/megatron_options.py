@@ -28,10 +28,16 @@ class MegatronOptions(BufferOptions):
             for bit the same results; the default with host mirrors, and the only step
             without them is ``"per_parameter"``).
         offload_chunk_numel: with ``"chunked"``, about how many elements one chunk holds.
-        offload_threads: torch's intra-op threads while the offloaded optimizer steps (the
-            CPU update runs on them); None leaves torch's setting (``OMP_NUM_THREADS``,
-            which ``torchrun`` sets to 1 unless told otherwise). About the host's cores
-            divided by the ranks on it.
+        offload_threads: torch's intra-op threads the offloaded optimizer's CPU update runs
+            on. An int fixes them (about the host's cores divided by the ranks on it). None:
+            with ``offload_delayed_update``, adapted as updates land
+            (:class:`megatron_ext.offload.threads.ThreadTuner`): from every core of this
+            rank's but one (the usable cores, divided among the ``LOCAL_WORLD_SIZE`` ranks
+            on the host unless the launcher pinned each rank, and among the offloading
+            optimizers of a chain, whose updates run at once), the fewest threads (at least
+            a quarter of those cores) with which the host update still ends before the next
+            step needs it; otherwise torch's setting (``OMP_NUM_THREADS``, which
+            ``torchrun`` sets to 1 unless told otherwise).
         offload_convert: with host mirrors, where bf16 gradients become fp32 and fp32
             parameters bf16: ``"host"`` (the CPU converts; half the bus bytes and pinned
             memory of a bf16 buffer) or ``"device"`` (the GPU converts, fp32 crosses both
@@ -49,13 +55,6 @@ class MegatronOptions(BufferOptions):
             :mod:`megatron_ext.offload.chunked` says exactly what runs when.
         offload_delay_warmup: with ``offload_delayed_update``, how many steps (by the
             optimizer's step count, so not again after a resume) run exact first.
-        offload_threads: with ``offload_delayed_update`` and None, adapted as updates land
-            (:class:`megatron_ext.offload.threads.ThreadTuner`): from every core of this
-            rank's but one (the usable cores, divided among the ``LOCAL_WORLD_SIZE`` ranks
-            on the host unless the launcher pinned each rank, and among the offloading
-            optimizers of a chain, whose updates run at once), the fewest threads (at least
-            a quarter of those cores) with which the host update still ends before the next
-            step needs it; an int fixes them.
         offload_pin_threads: with ``offload_delayed_update``, pin the host update's worker
             and its helper threads to this rank's cores but one (Linux; the rank's cores as
             ``offload_threads`` counts them, in order), so the Python thread that launches

@@ -149,3 +149,28 @@ def test_the_parser_names_out_or_OUT_in_its_one_line(tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit) as exc:
         common.base_parser("a benchmark").parse_args(["--help", "--out", str(bad)])
     assert exc.value.code == 0
+
+
+def test_interleave_moves_a_bar_at_every_call_only_when_named(monkeypatch):
+    common = load_script("common")
+    bars = []
+
+    def progress(items, desc):
+        bars.append((desc, list(items)))
+        return items
+
+    monkeypatch.setattr(common, "progress", progress)
+    calls = []
+    measures = {k: (lambda r, k=k: calls.append((r, k)) or r) for k in ("a", "b")}
+    results, errors = common.interleave(measures, 3, "bench")
+    assert bars == [("bench", [(r, k) for r in range(3) for k in ("a", "b")])]
+    assert calls == bars[0][1] and results == {"a": [0, 1, 2], "b": [0, 1, 2]} and not errors
+    common.interleave(measures, 2)
+    assert len(bars) == 1  # no name, no bar
+
+
+def test_the_parser_shows_the_docstrings_first_paragraph_whole():
+    common = load_script("common")
+    doc = "A benchmark: the first\nparagraph, on two lines.\n\nDetails that --help leaves out.\n"
+    assert common.base_parser(doc).description == "A benchmark: the first paragraph, on two lines."
+    assert common.base_parser("One line.").description == "One line."

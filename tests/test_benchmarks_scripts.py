@@ -124,6 +124,93 @@ def test_out_comes_from_the_flag_then_OUT_then_bench_out(tmp_path, monkeypatch):
     assert (tmp_path / "bench-out" / "memory.json").exists()
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            s,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="it hands base_parser its docstring's first line, which ends "
+                "mid-sentence (base_parser takes the whole docstring)",
+            ),
+        )
+        if s == "offload_scale"
+        else s
+        for s in SCRIPTS
+    ],
+)
+def test_help_describes_the_script_in_whole_sentences(name, monkeypatch):
+    import argparse
+
+    script = load_script(name)
+    parsers = []
+
+    def record(self, *args, **kwargs):
+        parsers.append(self)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", record)
+    with pytest.raises(_Parsed):
+        script.main(["--help"])
+    assert parsers[0].description.endswith("."), parsers[0].description
+
+
+@pytest.mark.parametrize("name", ["cpu_norm", "offload_step"])
+def test_every_column_has_a_legend_line(name):
+    columns = load_script(name).COLUMNS
+    assert len(columns) >= 10 and all(c.meaning for c in columns), [
+        c.header for c in columns if not c.meaning
+    ]
+
+
+def _bars(monkeypatch) -> list[tuple[str, int]]:
+    """Record every progress bar a script draws: its name and how many steps it moves."""
+    common = sys.modules["benchmarks.common"]
+    bars = []
+
+    def progress(items, desc):
+        bars.append((desc, len(items)))
+        return items
+
+    monkeypatch.setattr(common, "progress", progress)
+    return bars
+
+
+def test_cpu_norm_moves_a_bar_at_each_measurement_and_names_its_files(
+    tmp_path, monkeypatch, capsys
+):
+    script = load_script("cpu_norm")
+    bars = _bars(monkeypatch)
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--numel", "3000", "--small", "8x16"]
+    argv += ["--threads", "1,2", "--busy", "0", "--dtypes", "float32", "--rounds", "2"]
+    records = script.main([*argv, "--reps", "1", "--warmup", "0"])
+    # per inventory and thread count, every (variant, op) measured in each of 2 rounds
+    per = {inv: len({(r["variant"], r["op"]) for r in records if r["inventory"] == inv})
+           for inv in script.INVENTORIES}  # fmt: skip
+    assert bars == [
+        (f"cpu_norm {inv} float32 {t} threads 0 busy", 2 * per[inv])
+        for inv in script.INVENTORIES
+        for t in (1, 2)
+    ]
+    err = capsys.readouterr().err
+    assert f"wrote {tmp_path / 'cpu_norm.json'} and {tmp_path / 'cpu_norm.png'}" in err
+
+
+def test_offload_step_moves_a_bar_at_each_measurement_and_names_its_files(
+    tmp_path, monkeypatch, capsys
+):
+    script = load_script("offload_step")
+    bars = _bars(monkeypatch)
+    argv = ["--device", "cpu", "--out", str(tmp_path), *OFFLOAD_STEP_TINY]
+    script.main([*argv, "--threads", "1", "2", "--variants", "chunked", "per_parameter"])
+    # each variant overlapped and drained, and five floors, in each of 2 rounds
+    assert bars == [(f"offload_step {t} threads", 2 * (2 * 2 + 5)) for t in (1, 2)]
+    err = capsys.readouterr().err
+    wrote = f"wrote {tmp_path / 'offload_step.json'} and {tmp_path / 'offload_step.png'}"
+    assert wrote in err and (tmp_path / "offload_step.json").exists()
+
+
 # --- every script: arguments and the output folder checked before anything is measured ---
 
 BAD_VALUES = [

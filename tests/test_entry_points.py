@@ -475,6 +475,7 @@ def test_main_job_refuses_bad_arguments_with_its_own_usage_before_any_part_runs(
 
 
 def _lists_the_entry_points(text: str) -> None:
+    assert text.startswith("usage: python -m megatron_ext [--help]\n"), text
     for command in ("python -m megatron_ext.train SCRIPT", "python -m buffers.demo"):
         assert command in text, text
 

@@ -196,3 +196,17 @@ def test_offload_options_without_cpu_offload_are_refused_naming_them():
             get_megatron_optimizer(config, [chunk], options=options)
     assert MegatronOptions().offload_only() == []
     assert MegatronOptions(offload_step="per_parameter").offload_only() == []
+
+
+@pytest.mark.parametrize("kind", [BufferOptions, MegatronOptions])
+def test_every_option_is_documented_once_in_its_class(kind):
+    import dataclasses
+    import re
+
+    own = {f.name for f in dataclasses.fields(kind)} - (
+        {f.name for f in dataclasses.fields(BufferOptions)} if kind is MegatronOptions else set()
+    )
+    attributes = kind.__doc__.split("Attributes:", 1)[1].strip("\n")
+    indent = attributes[: len(attributes) - len(attributes.lstrip())]  # the entries' own
+    entries = re.findall(rf"^{indent}(\w+): ", attributes, flags=re.M)
+    assert sorted(entries) == sorted(own), (entries, own)  # each once, none missing
