@@ -97,10 +97,12 @@ def test_commands_parse_with_megatron_lms_parser(config, monkeypatch):
         assert args.keep_in_fp32_params == ([r"router\.weight$"] if islands else [])
         assert args.use_precision_aware_optimizer == ("pa" in config.split("_"))
         assert args.optimizer_cpu_offload == ("offload" in config)
-        # ours: per-parameter where the config says so; else (stock too) not given (None:
+        # ours: the step the config names with offload; else (stock too) not given (None:
         # MegatronOptions' default, the chunked step)
-        per_parameter = arm == "ours" and "offload" in config and not config.endswith("chunked")
-        assert args.offload_step == ("per_parameter" if per_parameter else None)
+        step = None
+        if arm == "ours" and "offload" in config:
+            step = "chunked" if config.endswith("chunked") else "per_parameter"
+        assert args.offload_step == step
 
 
 def log_line(it, total, loss, grad_norm, zeros=0, skipped=0, nan=0, moe=False):
