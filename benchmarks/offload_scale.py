@@ -733,7 +733,7 @@ def size_label(args) -> str:
 def parse_args(argv: list[str] | None):
     """The command line; the shape from ``--size`` where ``--layers/--hidden/--heads``
     leave it."""
-    ap = base_parser(__doc__.splitlines()[0], timed=False)
+    ap = base_parser(__doc__, timed=False)
     ap.add_argument(
         "--size", choices=list(SIZES), default="0.35b",
         help="GPT-3's shape (layers x hidden, heads): "

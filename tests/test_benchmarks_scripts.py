@@ -126,19 +126,7 @@ def test_out_comes_from_the_flag_then_OUT_then_bench_out(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(
-            s,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="it hands base_parser its docstring's first line, which ends "
-                "mid-sentence (base_parser takes the whole docstring)",
-            ),
-        )
-        if s == "offload_scale"
-        else s
-        for s in SCRIPTS
-    ],
+    [s for s in SCRIPTS],
 )
 def test_help_describes_the_script_in_whole_sentences(name, monkeypatch):
     import argparse
