@@ -831,7 +831,7 @@ COLUMNS = [
 ]
 
 
-def _plot(rows: list[dict], args, title: str) -> None:
+def _plot(rows: list[dict], args, title: str):
     fig, axes = new_figure(2, width=7)
     ran = [r for r in rows if "step_s" in r]
     if not ran:
@@ -868,7 +868,7 @@ def _plot(rows: list[dict], args, title: str) -> None:
         axes[1].set_ylabel("GiB (largest over its rows)")
         axes[1].set_title("memory per kind")
         axes[1].legend(fontsize=7)
-    save_figure(fig, args.out, NAME, title)
+    return save_figure(fig, args.out, NAME, title)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -907,7 +907,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     title = next((r["run"] for r in rows if r.get("run")), None) or run_title(
         torch.device("cpu"), megatron=True
     )
-    _plot(rows, args, title)
+    png_path = _plot(rows, args, title)
     print(format_table(rows, COLUMNS))
     spec = {r.get("layer_spec") for r in rows if r.get("layer_spec")}
     peak = {r.get("peak_tflops") for r in rows if r.get("layer_spec")}
@@ -918,6 +918,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         + "; layer spec "
         + (", ".join(sorted(spec)) or "none built")
     )
+    print(f"wrote {args.out / f'{NAME}.json'} and {png_path}", file=sys.stderr)
     return rows
 
 

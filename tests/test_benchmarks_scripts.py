@@ -199,6 +199,14 @@ def test_offload_step_moves_a_bar_at_each_measurement_and_names_its_files(
     assert wrote in err and (tmp_path / "offload_step.json").exists()
 
 
+def test_offload_scale_names_its_files(tmp_path, capsys):
+    script = load_script("offload_scale")
+    script.main(["--device", "cpu", "--kinds", "fwd_bwd", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    wrote = f"wrote {tmp_path / 'offload_scale.json'} and {tmp_path / 'offload_scale.png'}"
+    assert wrote in err and (tmp_path / "offload_scale.json").exists()
+
+
 # --- every script: arguments and the output folder checked before anything is measured ---
 
 BAD_VALUES = [
