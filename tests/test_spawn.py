@@ -111,6 +111,17 @@ def test_a_variable_changed_or_removed_since_the_server_started_is_seen(server, 
         assert spawn.start_method() == "forkserver"  # back as the server has it
 
 
+def test_the_attention_backends_variables_keep_the_server(server, monkeypatch):
+    """megatron-core sets NVTE_FLASH_ATTN & co. when a language model is built in the
+    test process (read at import only by transformer-engine, which the server never
+    imports): the ranks still fork from the server, without a warning."""
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert spawn.start_method() == "forkserver"
+
+
 def test_where_torch_sees_a_gpu_ranks_are_spawned(server, monkeypatch):
     import torch
 

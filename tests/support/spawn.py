@@ -45,6 +45,11 @@ from typing import Any
 PRELOAD = "tests.support.preload"
 # set by pytest for every test, so it always differs from the server's
 IGNORED = frozenset({"PYTEST_CURRENT_TEST"})
+# megatron-core sets the attention backend's variables when a language model is built in
+# this process; only transformer-engine reads them at import, and the server never imports
+# it (a machine with TE has a GPU, where ranks are spawned), while every rank takes the
+# parent's environment at its start: they need no fresh interpreter
+IGNORED_PREFIXES = ("NVTE_",)
 
 _lock = threading.Lock()
 _server_env: dict[str, str] | None = None  # os.environ when the server was started
@@ -66,7 +71,9 @@ def start_method() -> str:
         changed = sorted(
             k
             for k in set(os.environ) | set(_server_env)
-            if k not in IGNORED and os.environ.get(k) != _server_env.get(k)
+            if k not in IGNORED
+            and not k.startswith(IGNORED_PREFIXES)
+            and os.environ.get(k) != _server_env.get(k)
         )
     if changed:
         warnings.warn(
