@@ -11,6 +11,10 @@ or build all three in one call, the two configs agreeing on the distributed opti
     stack = megatron_ext.build_stack(module, transformer_config, optimizer=dict(lr=1e-3))
 """
 
+from . import requirements
+
+requirements.check()  # megatron-core (the `megatron` extra) and its Python, named if missing
+
 from . import seam
 from .notices import import_notices_hidden
 

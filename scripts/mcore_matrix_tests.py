@@ -1,12 +1,13 @@
 """Print the test files the megatron-core version matrix runs, one per line.
 
-Usage: python scripts/mcore_matrix_tests.py [ROOT]
+Usage: python scripts/mcore_matrix_tests.py [--unmarked] [ROOT]
 
 Every ``tests/test_*.py`` of ROOT (default: this repository) whose module-level
 ``pytestmark`` carries ``pytest.mark.mcore``: the files that touch megatron-core, directly or
 through the test support, the benchmarks or another test module they import.
 ``tests/test_mcore_marker.py`` checks that exactly those files carry it, so the list cannot
-drift from what the files import.
+drift from what the files import. With ``--unmarked``, the other test files: those that touch
+nothing of megatron-core, which the torch-only install runs (``scripts/torch_only.sh``).
 """
 
 from __future__ import annotations
@@ -56,11 +57,21 @@ def marked_files(root: Path) -> list[str]:
     )
 
 
+def unmarked_files(root: Path) -> list[str]:
+    """The other ``tests/test_*.py`` of ``root``, relative to it, sorted."""
+    marked = set(marked_files(root))
+    every = (str(p.relative_to(root)) for p in (root / "tests").glob("test_*.py"))
+    return sorted(set(every) - marked)
+
+
 def main(argv: list[str]) -> int:
+    unmarked = "--unmarked" in argv
+    argv = [a for a in argv if a != "--unmarked"]
     root = Path(argv[0]) if argv else Path(__file__).resolve().parents[1]
-    files = marked_files(root)
+    files = unmarked_files(root) if unmarked else marked_files(root)
     if not files:
-        print(f"error: no test file under {root / 'tests'} is marked {MARKER}", file=sys.stderr)
+        which = "unmarked" if unmarked else f"marked {MARKER}"
+        print(f"error: no test file under {root / 'tests'} is {which}", file=sys.stderr)
         return 1
     print("\n".join(files))
     return 0

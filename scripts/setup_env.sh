@@ -67,9 +67,9 @@ fi
 PY="$venv/bin/python"
 stamp="$venv/.installed-$(sha1sum "$root/pyproject.toml" | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
-  echo "[setup] installing the project and its test/bench extras (torch is ~5 GB the first time)" >&2
+  echo "[setup] installing the project and its megatron/test/bench/dev extras (torch is ~5 GB the first time)" >&2
   "$PY" -m pip install -q --upgrade pip >&2
-  "$PY" -m pip install -q -e "$root[test,bench,dev]" >&2
+  "$PY" -m pip install -q -e "$root[megatron,test,bench,dev]" >&2
   touch "$stamp"
 fi
 export PY

@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -37,12 +39,15 @@ def device(request) -> torch.device:
 def fresh_native(monkeypatch, tmp_path):
     """No compiled kernel loaded yet in this process (the CPU norm's, ``buffers.native``,
     and the offloaded step's, ``megatron_ext.offload.host_kernel``), an empty cache folder of
-    its own, ``BUFFERS_CPU_KERNEL`` unset. Returns the cache folder."""
+    its own, ``BUFFERS_CPU_KERNEL`` unset. Returns the cache folder. The offload kernel's
+    module is reset only where it was imported (it imports megatron-core, which the
+    torch-only install lacks; imported later, it starts empty)."""
     from buffers import native
-    from megatron_ext.offload import host_kernel as offload_native
 
     monkeypatch.setattr(native, "_LOADED", {})
-    monkeypatch.setattr(offload_native, "_LOADED", {})
+    offload_native = sys.modules.get("megatron_ext.offload.host_kernel")
+    if offload_native is not None:
+        monkeypatch.setattr(offload_native, "_LOADED", {})
     monkeypatch.setenv("BUFFERS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("BUFFERS_CPU_KERNEL", raising=False)
     return tmp_path / "cache"

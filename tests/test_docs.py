@@ -260,9 +260,11 @@ def test_the_supported_megatron_core_versions_are_stated_once_as_pyproject_pins_
     from megatron_ext import seam
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    # an extra: a plain-PyTorch user installs torch alone
+    assert all(Requirement(d).name != "megatron-core" for d in project["dependencies"])
     [pins] = [
         Requirement(d).specifier
-        for d in project["dependencies"]
+        for d in project["optional-dependencies"]["megatron"]
         if Requirement(d).name == "megatron-core"
     ]
     stated = re.compile(r"megatron-core\s*((?:[<>=!~]=?\s*\d[\w.]*(?:,\s*)?)+)")

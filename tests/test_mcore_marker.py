@@ -26,6 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ("tests", "benchmarks", "buffers")  # packages of this repository, followed inside
 TOUCH = ("megatron", "megatron_ext")
+GPU = ROOT / "tests" / "gpu"  # test files put it on sys.path to import its drivers by name
 SCRIPT = re.compile(r"(?:benchmarks/)?(\w+)\.py")
 NAMED = re.compile(r"\b(import|from)\s+megatron(_ext)?\b|-m\s+megatron_ext\b")
 
@@ -127,7 +128,9 @@ def _edges(path: Path) -> tuple[bool, tuple[Path, ...]]:
         names_it = False
     if names_it or any(m.split(".")[0] in TOUCH for m in modules):
         return True, ()
-    found = (_file_of(m) for m in sorted(modules) if m.split(".")[0] in LOCAL)
+    found = [_file_of(m) for m in sorted(modules) if m.split(".")[0] in LOCAL]
+    # a GPU driver imported by its bare name, tests/gpu put first on sys.path by the file
+    found += [GPU / f"{m}.py" for m in sorted(modules) if (GPU / f"{m}.py").is_file()]
     return False, tuple(f for f in found if f is not None)
 
 
@@ -164,6 +167,7 @@ def test_the_rule_follows_imports_and_children(tmp_path):
     assert files["test_notices.py"]  # `import megatron_ext` in a child's code
     assert not files["test_spans.py"] and not files["test_distributed.py"]
     assert not files["test_benchmarks_clip_step.py"]  # its scripts use buffers only
+    assert files["test_te_layers_cells.py"]  # `import te_layers_driver`, from tests/gpu
 
 
 @pytest.mark.parametrize(
@@ -218,6 +222,13 @@ def test_the_matrix_lists_the_marked_files_and_refuses_none(tmp_path, capsys):
     (tmp_path / "tests" / "helper.py").write_text("pytestmark = pytest.mark.mcore\n")
     assert script.main([str(tmp_path)]) == 0
     assert capsys.readouterr().out == "tests/test_a.py\n"
+    # the torch-only install's list: the rest of the test files, never a helper
+    assert script.main(["--unmarked", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == "tests/test_b.py\n"
     (tmp_path / "tests" / "test_a.py").write_text("def test_a():\n    pass\n")
     assert script.main([str(tmp_path)]) == 1
     assert "no test file" in capsys.readouterr().err
+    (tmp_path / "tests" / "test_a.py").write_text("import pytest\npytestmark = pytest.mark.mcore\n")
+    (tmp_path / "tests" / "test_b.py").write_text("import pytest\npytestmark = pytest.mark.mcore\n")
+    assert script.main(["--unmarked", str(tmp_path)]) == 1
+    assert "is unmarked" in capsys.readouterr().err

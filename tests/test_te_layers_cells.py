@@ -22,6 +22,8 @@ import te_layers_driver as w  # noqa: E402
 # Without transformer-engine megatron-core's norm takes its fallback kernels, about 2e-6
 # from fp64 here (with TE on the GPU: within 1e-7, the GPU test's bound is 1e-6).
 STOCK_TOL_WITHOUT_TE = 1e-5
+
+pytestmark = pytest.mark.mcore  # the driver builds megatron-core's GPT in its workers
 CPU_CELLS = ["distopt_islands_on_mb2_w1", "fp16_islands_on_mb1_w1", "distopt_islands_off_mb1_w1"]
 
 
