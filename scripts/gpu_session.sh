@@ -12,7 +12,9 @@
 # need TE), te_layers (tests/gpu/test_te_layers_gpu.py: a GPT with TE's layer spec, ours vs
 # stock; table and JSON in $OUT/te_layers), megatron_lm_te (tests/gpu/megatron_lm_te.py:
 # pretrain_gpt.py with TE's layers, 20 iterations per configuration, ours vs stock; JSON,
-# table and PNG in $OUT/megatron_lm_te; MEGATRON_LM_TE_ARGS adds its flags, e.g. --configs).
+# table and PNG in $OUT/megatron_lm_te; MEGATRON_LM_TE_ARGS adds its flags, e.g. --configs),
+# megatron_lm_scale (tests/gpu/megatron_lm_scale.py: pretrain_gpt.py at a GPT-3 size with the
+# offload flags, ours only; MEGATRON_LM_SCALE_ARGS its arguments; after te).
 # scale (benchmarks/offload_scale.py at one size: SCALE_ARGS its arguments, required, e.g.
 # "--size 2.7b --kinds fwd_bwd exact"; each kind in a process of its own; SCALE_LIMIT, default
 # 540 s; DeepSpeed from .whl/deepspeed/ when carried, scripts/fetch_deepspeed_wheels.sh).
@@ -77,6 +79,14 @@ for s in "$@"; do
       MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-$PWD/.megatron-lm} step megatron_lm_te \
       ${MEGATRON_LM_TE_LIMIT:-560} python3 tests/gpu/megatron_lm_te.py --out "$OUT/megatron_lm_te" \
       "${extra[@]}" ;;
+    megatron_lm_scale)  # pretrain_gpt.py at a GPT-3 size, offload 1.0, islands, ours only,
+      # one configuration at a time; MEGATRON_LM_SCALE_ARGS its arguments (default: 6.7b, the
+      # delayed update, 20 iterations); the table at the log's end
+      read -ra extra <<< "${MEGATRON_LM_SCALE_ARGS:---size 6.7b --configs delayed}"
+      MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-$PWD/.megatron-lm} step megatron_lm_scale \
+      ${MEGATRON_LM_SCALE_LIMIT:-580} python3 tests/gpu/megatron_lm_scale.py \
+      --out "$OUT/megatron_lm_scale" "${extra[@]}"
+      tail -n 12 "$OUT/megatron_lm_scale.log" ;;
     norm_clip|memory|train_step|offload|clip_step)
       extra=(); [ "$s" = norm_clip ] && read -ra extra <<< "${NORM_CLIP_ARGS:---scaling-counts 80,1000,10000}"
       step "$s" ${BENCH_LIMIT:-300} python3 "benchmarks/$s.py" --device cuda --out "$OUT/bench" "${extra[@]}" ;;

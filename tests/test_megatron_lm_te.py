@@ -7,7 +7,6 @@ import json
 import math
 import shlex
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import megatron_lm_te as d  # noqa: E402
 
+from tests.support.megatron_lm_logs import (  # noqa: E402
+    STOCK_OFFLOAD_FAILURE,
+    log_line,
+    parse,
+    pretrain_flags,
+    stand_in,
+)
+
 pytestmark = pytest.mark.mcore
-
-
-def pretrain_flags(cmd: list[str]) -> list[str]:
-    return cmd[cmd.index("pretrain_gpt.py") + 1 :]
 
 
 def test_every_configuration_runs_ours_and_stock_once():
@@ -60,26 +63,6 @@ def test_the_fusion_flag_follows_apexs_kernel(monkeypatch):
     assert d.fusion_flags() == []
 
 
-def _parse(flags: list[str]):
-    """Megatron-LM's parse_and_validate_args over ``flags`` with megatron_ext.train
-    installed, as pretrain_gpt.py's __main__ does; then everything is restored."""
-    from megatron.training import global_vars
-
-    from megatron_ext import train
-
-    patches = train.install()
-    try:
-        from megatron.training.arguments import parse_and_validate_args
-
-        sys.argv = ["pretrain_gpt.py", *flags]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    finally:
-        patches.remove()
-        global_vars.unset_global_variables()
-
-
 @pytest.mark.parametrize("config", list(d.CONFIGS))
 def test_commands_parse_with_megatron_lms_parser(config, monkeypatch):
     from megatron_ext import seam
@@ -89,7 +72,7 @@ def test_commands_parse_with_megatron_lms_parser(config, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     for arm in ("ours", "stock"):
-        args = _parse(pretrain_flags(d.command(config, arm, 20, [d.NO_FUSION])))
+        args = parse(pretrain_flags(d.command(config, arm, 20, [d.NO_FUSION])))
         assert args.transformer_impl == "transformer_engine" and args.train_iters == 20
         assert args.per_dtype_grad_buffers == (arm == "ours")
         assert args.gradient_accumulation_fusion is False
@@ -103,26 +86,6 @@ def test_commands_parse_with_megatron_lms_parser(config, monkeypatch):
         if arm == "ours" and "offload" in config:
             step = "chunked" if config.endswith("chunked") else "per_parameter"
         assert args.offload_step == step
-
-
-def log_line(it, total, loss, grad_norm, zeros=0, skipped=0, nan=0, moe=False):
-    """One console line exactly as Megatron-LM's training_log formats it."""
-    s = " [2026-12-04 10:00:00.000000]"
-    s += f" iteration {it:8d}/{total:8d} |"
-    s += f" consumed samples: {2 * it:12d} |"
-    s += f" elapsed time per iteration (ms): {123.4:.1f} |"
-    s += f" learning rate: {3e-4:.6E} |"
-    s += f" global batch size: {2:5d} |"
-    if loss is not None:  # Megatron-LM prints a loss only when it is >= 0
-        s += " {}: {:.6E} |".format("lm loss", loss)
-    if moe:
-        s += " load_balancing_loss: 1.000244E+00 |"
-    s += f" loss scale: {1.0:.1f} |"
-    s += f" grad norm: {grad_norm:.3f} |"
-    s += f" num zeros: {zeros} |"
-    s += f" number of skipped iterations: {skipped:3d} |"
-    s += f" number of nan iterations: {nan:3d} |"
-    return s
 
 
 def test_log_parsing_on_megatron_lms_format():
@@ -142,44 +105,11 @@ def test_log_parsing_on_megatron_lms_format():
     assert its[3]["loss"] is None and math.isnan(its[3]["grad_norm"]) and its[3]["nan"] == 1
 
 
-STOCK_OFFLOAD_FAILURE = """\
-[rank0]: Traceback (most recent call last):
-[rank0]:   File "pretrain_gpt.py", line 300, in <module>
-[rank0]:   File "megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py", line 80, in __init__
-[rank0]: ValueError: can't optimize a non-leaf Tensor
-E1204 10:00:00 torch/distributed/elastic/multiprocessing/api.py: failed (exitcode: 1)
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-"""
-
-
 def test_the_first_error_line_names_the_failure():
     assert d.first_error(STOCK_OFFLOAD_FAILURE) == "ValueError: can't optimize a non-leaf Tensor"
     refused = "megatron_ext.train: gradient_accumulation_fusion needs apex's ...: add --no-x"
     assert d.first_error(f"loading\n{refused}\n") == refused
     assert d.first_error("all fine\n") is None
-
-
-def stand_in(tmp_path: Path, iters: int, rc: int, norms: list[float], losses: list, text=""):
-    """A Run whose command prints Megatron-LM's log lines, writes the launcher's record
-    (norm and fp64 reference per step) and exits with ``rc``."""
-    lines = [
-        log_line(i + 1, iters, loss, n)
-        for i, (loss, n) in enumerate(zip(losses, norms, strict=True))
-    ]
-    rows = [json.dumps(dict(ok=True, norm=n, ref=abs(n) if math.isfinite(n) else 1.0, zeros=0))
-            for n in norms]  # fmt: skip
-    record = "".join(row + "\n" for row in rows)
-    script = tmp_path / f"stand_in_{len(list(tmp_path.glob('stand_in_*')))}.py"
-    script.write_text(
-        "import os, pathlib, sys\n"
-        "rec = pathlib.Path(os.environ['MEGATRON_LM_RECORD'])\n"
-        "rec.mkdir(parents=True, exist_ok=True)\n"
-        f"(rec / 'rank0.jsonl').write_text({record!r})\n"
-        f"print({chr(10).join(lines)!r})\n"
-        f"sys.stderr.write({text!r})\n"
-        f"sys.exit({rc})\n"
-    )
-    return [sys.executable, str(script)]
 
 
 def test_launch_runs_a_command_and_reads_its_log_and_record(tmp_path):
