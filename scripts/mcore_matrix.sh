@@ -72,6 +72,7 @@ done
 tests=("${tests[@]}")
 echo "[matrix] test files: ${tests[*]}"
 
+workers=$(bash "$root/scripts/test_workers.sh") # pytest-xdist's workers, as scripts/test.sh
 mkdir -p .mcore/logs
 export NO_VCS_VERSION=1 # else megatron-core appends `git rev-parse HEAD` of *this* repository
 export PYTHONWARNINGS="ignore:Transformer Engine and Apex,ignore:absl.logging is not installed"
@@ -181,7 +182,7 @@ for v in "${versions[@]}"; do
   rc=0
   PYTHONPATH="$dir:$root/scripts${PYTHONPATH:+:$PYTHONPATH}" MCORE_MATRIX_EXPECT="$expect" \
     MCORE_MATRIX_DIR="$dir" "$PY" -m pytest -q -rfEs -p mcore_matrix_plugin -p no:cacheprovider \
-    "${tests[@]}" "${pytest_args[@]}" 2>&1 | tee "$log" || rc=$? # pipefail: pytest's status
+    -n "$workers" "${tests[@]}" "${pytest_args[@]}" 2>&1 | tee "$log" || rc=$? # pipefail: pytest's status
   ms=$((($(date +%s%N) - start) / 1000000))
   secs=$(printf '%d.%d' $((ms / 1000)) $((ms % 1000 / 100)))
   summary=$(grep -v "^[[:space:]]*$" "$log" | tail -n 1 | sed 's/^=* *//; s/ *=*$//')

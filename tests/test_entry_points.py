@@ -549,7 +549,7 @@ def test_other_assertions_of_the_script_keep_their_traceback(tmp_path):
 def _test_command_copy(tmp_path: Path) -> Path:
     """scripts/test.sh and its set-up in a scratch tree with one passing test."""
     (tmp_path / "scripts").mkdir()
-    for name in ("test.sh", "setup_env.sh"):
+    for name in ("test.sh", "setup_env.sh", "test_workers.sh"):
         shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_one.py").write_text("def test_one():\n    assert 2 + 2 == 4\n")
@@ -566,6 +566,37 @@ def test_the_test_command_uses_the_python_it_is_given_as_it_is(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "1 passed" in proc.stdout and f"using PYTHON={sys.executable} as it is" in proc.stderr
     assert not (tmp_path / ".venv").exists()  # nothing created, nothing installed
+
+
+@pytest.mark.parametrize("workers", [None, "0", "3", "x"])
+def test_the_test_command_runs_its_workers(tmp_path, workers):
+    script = _test_command_copy(tmp_path)
+    seen = tmp_path / "seen"
+    (tmp_path / "tests" / "test_one.py").write_text(
+        "import os\n"
+        "def test_one():\n"
+        f"    with open({str(seen)!r}, 'a') as f:\n"
+        "        f.write(os.environ.get('PYTEST_XDIST_WORKER_COUNT', 'none') + '\\n')\n"
+    )
+    # this test may itself run in a worker: what the child sees must be its own
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    env["PYTHON"] = sys.executable
+    env.pop("TEST_WORKERS", None)
+    if workers is not None:
+        env["TEST_WORKERS"] = workers
+    proc = subprocess.run(
+        ["bash", str(script), "-p", "no:cacheprovider", "tests/test_one.py"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    if workers == "x":
+        assert proc.returncode == 2 and not seen.exists()
+        assert proc.stderr.splitlines()[-1] == (
+            "error: TEST_WORKERS=x is not a number of worker processes (0: none)"
+        )
+        return
+    assert proc.returncode == 0, proc.stderr
+    want = {None: str(min(len(os.sched_getaffinity(0)), 4)), "0": "none", "3": "3"}[workers]
+    assert seen.read_text() == want + "\n"
 
 
 def test_the_test_command_names_what_the_given_python_lacks(tmp_path):
