@@ -1,7 +1,8 @@
 """Per-dtype gradient buffers in a Megatron-Core job: config, DDP, optimizer, a few steps.
 
-Runs on one CUDA GPU with the project installed (``pip install -e .``, or the ``.venv`` the
-README's set-up commands create): ``python examples/megatron_quickstart.py``; under
+Runs on one CUDA GPU with the project installed with its megatron extra (``pip install -e
+'.[megatron]'``, or the ``.venv`` the README's set-up commands create): ``python
+examples/megatron_quickstart.py``; under
 ``torchrun --nproc-per-node N`` for N data-parallel ranks (not yet run on several GPUs).
 """
 

@@ -1,8 +1,8 @@
 """What ``megatron_ext`` needs beyond the torch-only install, checked before anything of it
 imports megatron-core: megatron-core itself (the ``megatron`` extra) and the Python it needs.
 
-``buffers`` (``FlatGradBuffers``) needs torch alone; ``pip install megatron-dtype-buffers``
-installs that much. Without this check a missing megatron-core surfaced as a
+``buffers`` (``FlatGradBuffers``) needs torch alone; installing the project without extras
+(``pip install -e .`` in its checkout) installs that much. Without this check a missing megatron-core surfaced as a
 ``ModuleNotFoundError`` deep in the seam's version lookup, and Python 3.11 as a
 ``SyntaxError`` in a module written for 3.12.
 """
@@ -13,7 +13,7 @@ import importlib.util
 import sys
 
 MIN_PYTHON = (3, 12)  # megatron-core's own Requires-Python
-EXTRA = "pip install 'megatron-dtype-buffers[megatron]'"
+EXTRA = "install the project's megatron extra (in its checkout: pip install -e '.[megatron]')"
 
 
 def _has_megatron_core() -> bool:

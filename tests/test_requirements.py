@@ -13,7 +13,7 @@ from megatron_ext import requirements
 
 pytestmark = pytest.mark.mcore
 
-# A child in which megatron-core cannot be imported, as after `pip install megatron-dtype-buffers`
+# A child in which megatron-core cannot be imported, as after `pip install -e .` (no extras)
 HIDE_MEGATRON = textwrap.dedent(
     """
     import sys
@@ -94,4 +94,4 @@ def test_without_megatron_core_buffers_trains_and_megatron_ext_names_the_extra()
         f"which is not installed: {requirements.EXTRA} (buffers.FlatGradBuffers needs torch "
         "alone)."
     ), refused.stderr
-    assert "megatron-dtype-buffers[megatron]" in requirements.EXTRA
+    assert "pip install -e '.[megatron]'" in requirements.EXTRA
