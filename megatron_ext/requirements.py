@@ -2,9 +2,9 @@
 imports megatron-core: megatron-core itself (the ``megatron`` extra) and the Python it needs.
 
 ``buffers`` (``FlatGradBuffers``) needs torch alone; installing the project without extras
-(``pip install -e .`` in its checkout) installs that much. Without this check a missing megatron-core surfaced as a
-``ModuleNotFoundError`` deep in the seam's version lookup, and Python 3.11 as a
-``SyntaxError`` in a module written for 3.12.
+(``pip install -e .`` in its checkout) installs that much. Without this check a missing
+megatron-core surfaced as a ``ModuleNotFoundError`` deep in the seam's version lookup, and
+Python 3.11 as a ``SyntaxError`` in a module written for 3.12.
 """
 
 from __future__ import annotations
