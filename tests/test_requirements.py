@@ -6,12 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from megatron_ext import requirements
 
 pytestmark = pytest.mark.mcore
+ROOT = Path(__file__).resolve().parents[1]
 
 # A child in which megatron-core cannot be imported, as after `pip install -e .` (no extras)
 HIDE_MEGATRON = textwrap.dedent(
@@ -95,3 +97,24 @@ def test_without_megatron_core_buffers_trains_and_megatron_ext_names_the_extra()
         "alone)."
     ), refused.stderr
     assert "pip install -e '.[megatron]'" in requirements.EXTRA
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "said"),
+    [
+        (["--help"], 0, "Usage: bash scripts/torch_only.sh [-- PYTEST_ARGS]"),
+        (["tests/test_spans.py"], 2, "error: unknown argument tests/test_spans.py (see --help)"),
+    ],
+)
+def test_the_torch_only_script_says_how_it_is_used_before_building_anything(
+    tmp_path, args, code, said
+):
+    # a copy, so that a venv it wrongly started to build would show up here
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "torch_only.sh"
+    script.write_text((ROOT / "scripts" / "torch_only.sh").read_text())
+    proc = subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)  # fmt: skip
+    assert proc.returncode == code
+    assert said in (proc.stdout if code == 0 else proc.stderr)
+    assert not (tmp_path / ".venv-torch-only").exists()
