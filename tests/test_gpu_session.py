@@ -1,39 +1,19 @@
 """scripts/gpu_session.sh's reshard step, wired on the CPU with a python3 that records how
 it was called."""
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
-RECORDING_PYTHON = r"""#!/usr/bin/env bash
-echo "DEVICE=${MEGATRON_TEST_DEVICE:-} PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_LOG"
-"""
+from tests.support.gpu_session_stub import stub_repo
 
-
-def stub_repo(tmp_path):
-    """A scratch copy of gpu_session.sh with a wheel to install and a python3 on PATH that
-    records how it was called: (root, call log, $OUT, environment)."""
-    root = tmp_path / "repo"
-    (root / "scripts").mkdir(parents=True)
-    (root / ".whl").mkdir()
-    (root / ".whl" / "megatron_core-0.19.2-py3-none-any.whl").write_bytes(b"w")
-    shutil.copy(Path(__file__).resolve().parents[1] / "scripts" / "gpu_session.sh",
-                root / "scripts")  # fmt: skip
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(RECORDING_PYTHON)
-    (bin_dir / "python3").chmod(0o755)
-    log, out = tmp_path / "calls", tmp_path / "out"
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-               STUB_LOG=str(log), OUT=str(out))  # fmt: skip
-    return root, log, out, env
+# what each python3 call of the stub records, before its arguments
+RECORDS = "DEVICE=${MEGATRON_TEST_DEVICE:-} PYTHONPATH=${PYTHONPATH:-}"
 
 
 def test_the_reshard_step_runs_the_cpu_resharding_files_on_cuda(tmp_path):
     """MEGATRON_TEST_DEVICE=cuda, tests/support/multirank first on PYTHONPATH (collectives
     one by one for gloo on CUDA tensors), the CPU suite's DP, TP and PP files themselves."""
-    root, log, out, env = stub_repo(tmp_path)
+    root, log, out, env = stub_repo(tmp_path, RECORDS)
     env.pop("MEGATRON_TEST_DEVICE", None)
     proc = subprocess.run(["bash", "scripts/gpu_session.sh", "reshard"], cwd=root, env=env,
                           capture_output=True, text=True)  # fmt: skip
@@ -51,7 +31,7 @@ def test_the_reshard_step_runs_the_cpu_resharding_files_on_cuda(tmp_path):
 def test_the_offload_overlap_step_runs_the_benchmark_with_its_loss_curves(tmp_path):
     """The step runs benchmarks/offload_overlap.py on CUDA into $OUT/bench with 200-step
     loss curves, and OFFLOAD_OVERLAP_ARGS replaces those arguments."""
-    root, log, out, env = stub_repo(tmp_path)
+    root, log, out, env = stub_repo(tmp_path, RECORDS)
     for extra, expected in ((None, "--loss-steps 200"), ("--micro-batches 8", "--micro-batches 8")):
         env.pop("OFFLOAD_OVERLAP_ARGS", None)
         if extra is not None:
@@ -68,7 +48,7 @@ def test_the_offload_overlap_step_runs_the_benchmark_with_its_loss_curves(tmp_pa
 def test_the_overlap_forward_step_runs_the_training_loop_tests_on_cuda(tmp_path):
     """MEGATRON_TEST_DEVICE=cuda, tests/support/multirank first on PYTHONPATH, the
     overlapped and delayed steps' training-loop tests (the CPU suite's files, selected)."""
-    root, log, out, env = stub_repo(tmp_path)
+    root, log, out, env = stub_repo(tmp_path, RECORDS)
     env.pop("MEGATRON_TEST_DEVICE", None)
     proc = subprocess.run(["bash", "scripts/gpu_session.sh", "overlap_forward"], cwd=root,
                           env=env, capture_output=True, text=True)  # fmt: skip
@@ -87,7 +67,7 @@ def test_the_scale_step_runs_one_size_with_deepspeed_on_its_own_path(tmp_path):
     """SCALE_ARGS is required and passed whole; DeepSpeed's wheels, when carried in
     .whl/deepspeed/, go to /tmp/ds-site, which this step alone has on PYTHONPATH (after the
     others) and its bin/ (ninja) first on PATH; the table's end follows the step's line."""
-    root, log, out, env = stub_repo(tmp_path)
+    root, log, out, env = stub_repo(tmp_path, RECORDS)
     python3 = tmp_path / "bin" / "python3"
     python3.write_text(
         '#!/usr/bin/env bash\necho "PATH=${PATH%%:*} PYTHONPATH=${PYTHONPATH:-} $*" >> '

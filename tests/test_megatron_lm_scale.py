@@ -7,7 +7,6 @@ step."""
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import megatron_lm_scale as s  # noqa: E402
 
+from tests.support.gpu_session_stub import stub_repo  # noqa: E402
 from tests.support.megatron_lm_logs import (  # noqa: E402
     STOCK_OFFLOAD_FAILURE,
     log_line,
@@ -163,25 +163,9 @@ def test_dry_run_and_refusals_before_any_run(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "never").exists()
 
 
-RECORDING_PYTHON = r"""#!/usr/bin/env bash
-echo "MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-} $*" >> "$STUB_LOG"
-"""
-
-
 @pytest.mark.parametrize("args", [None, "--size tiny --configs delayed,exact --iters 5"])
 def test_the_gpu_session_step_runs_it_with_its_arguments(tmp_path, args):
-    root = tmp_path / "repo"
-    (root / "scripts").mkdir(parents=True)
-    (root / ".whl").mkdir()
-    (root / ".whl" / "megatron_core-0.19.2-py3-none-any.whl").write_bytes(b"w")
-    shutil.copy(ROOT / "scripts" / "gpu_session.sh", root / "scripts")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(RECORDING_PYTHON)
-    (bin_dir / "python3").chmod(0o755)
-    log, out = tmp_path / "calls", tmp_path / "out"
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-               STUB_LOG=str(log), OUT=str(out))  # fmt: skip
+    root, log, out, env = stub_repo(tmp_path, "MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-}")
     env.pop("MEGATRON_LM_PATH", None)
     if args:
         env["MEGATRON_LM_SCALE_ARGS"] = args

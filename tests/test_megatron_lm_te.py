@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import megatron_lm_te as d  # noqa: E402
 
+from tests.support.gpu_session_stub import stub_repo  # noqa: E402
 from tests.support.megatron_lm_logs import (  # noqa: E402
     STOCK_OFFLOAD_FAILURE,
     log_line,
@@ -177,33 +178,15 @@ def test_main_dry_run_and_its_refusals(capsys, monkeypatch):
     assert "MEGATRON_LM_PATH" in capsys.readouterr().err
 
 
-RECORDING_PYTHON = r"""#!/usr/bin/env bash
-echo "TE_LAYERS_OUT=${TE_LAYERS_OUT:-} MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-} $*" >> "$STUB_LOG"
-"""
-
-
 def test_gpu_session_steps_run_both_with_their_outputs(tmp_path):
     """scripts/gpu_session.sh's te_layers and megatron_lm_te steps, with a python3 that
     records its arguments: what each step runs, where its output goes; the tests step
     leaves the TE layer cells to their own step."""
-    import os
-    import shutil
     import subprocess
 
-    root = tmp_path / "repo"
-    (root / "scripts").mkdir(parents=True)
-    (root / ".whl").mkdir()
-    (root / ".whl" / "megatron_core-0.19.2-py3-none-any.whl").write_bytes(b"w")
-    shutil.copy(
-        Path(__file__).resolve().parents[1] / "scripts" / "gpu_session.sh", root / "scripts"
-    )
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(RECORDING_PYTHON)
-    (bin_dir / "python3").chmod(0o755)
-    log, out = tmp_path / "calls", tmp_path / "out"
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", STUB_LOG=str(log),
-               OUT=str(out), MEGATRON_LM_TE_ARGS="--configs dense,router_fp32")  # fmt: skip
+    records = "TE_LAYERS_OUT=${TE_LAYERS_OUT:-} MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-}"
+    root, log, out, env = stub_repo(tmp_path, records)
+    env["MEGATRON_LM_TE_ARGS"] = "--configs dense,router_fp32"
     env.pop("MEGATRON_LM_PATH", None)
     steps = ["tests", "te_layers", "megatron_lm_te"]
     proc = subprocess.run(["bash", "scripts/gpu_session.sh", *steps], cwd=root, env=env,
