@@ -177,3 +177,17 @@ def test_the_gpu_session_step_runs_it_with_its_arguments(tmp_path, args):
     assert run.startswith(f"MEGATRON_LM_PATH={root}/.megatron-lm ")
     want = args or "--size 6.7b --configs delayed"
     assert run.endswith(f"tests/gpu/megatron_lm_scale.py --out {out}/megatron_lm_scale {want}")
+
+
+def test_tiny_keeps_the_base_gpts_sequence_in_its_tokens(tmp_path, monkeypatch):
+    timing = [(1000.0, 1.0), (500.0, 2.0)]
+    fine = stand_in(tmp_path, 2, 0, [2.0, 1.0], [7.0, 6.0], timing=timing)
+    monkeypatch.setattr(s, "command", lambda *a: fine)
+    monkeypatch.setenv("MEGATRON_LM_PATH", str(tmp_path))
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--size", "tiny", "--configs", "delayed", "--iters", "2"]
+    assert s.main([*argv, "--skip", "1", "--micro-batches", "4", "--seq", "4096"]) == 0
+    blob = json.loads((out / f"{s.NAME}.json").read_text())
+    assert s.TINY_SEQ == 128 and blob["seq"] == 128  # --seq does not reach the tiny GPT
+    assert blob["rows"][0]["tokens_per_s"] == pytest.approx(128 * 4 / 0.5)
+    assert blob["title"].startswith("pretrain_gpt.py at tiny, sequence 128, 4 micro-batches")

@@ -65,6 +65,7 @@ CONFIGS = {
     "exact": (),
 }
 TINY = "tiny"
+TINY_SEQ = int(te.GPT[te.GPT.index("--seq-length") + 1])  # the base GPT's, which tiny keeps
 
 
 def shape_flags(size: str, seq: int, micro_batches: int) -> list[str]:
@@ -163,13 +164,14 @@ def table(rows: list[Row], title: str) -> str:
 def write(runs: list[te.Run], timings: dict[str, dict], args, fusion: list[str]) -> str:
     """JSON and table of the runs so far into ``args.out``; returns the table."""
     args.out.mkdir(parents=True, exist_ok=True)
-    tokens = args.seq * args.micro_batches if args.size != TINY else 128 * args.micro_batches
+    seq = TINY_SEQ if args.size == TINY else args.seq
+    tokens = seq * args.micro_batches
     rows = [row(r, timings.get(r.config, {}), tokens, args.skip) for r in runs]
-    title = (f"pretrain_gpt.py at {args.size}, sequence {args.seq if args.size != TINY else 128}, "
+    title = (f"pretrain_gpt.py at {args.size}, sequence {seq}, "
              f"{args.micro_batches} micro-batches of 1, offload 1.0, islands, ours "
              f"({te.versions()}); medians after iteration {args.skip}")  # fmt: skip
     text = table(rows, title)
-    blob = dict(title=title, size=args.size, seq=args.seq, micro_batches=args.micro_batches,
+    blob = dict(title=title, size=args.size, seq=seq, micro_batches=args.micro_batches,
                 fusion_flags=fusion, rows=[asdict(r) for r in rows],
                 runs=[asdict(r) | {"status": r.status, "timing": timings.get(r.config, {})}
                       for r in runs])  # fmt: skip
